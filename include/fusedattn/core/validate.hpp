@@ -1,0 +1,151 @@
+/// @file validate.hpp
+/// The checks every entry point runs before it touches memory. Each failure names the offending field and
+/// its value. Backends add their own checks (device pointers, supported head dims) after these.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "../kernels/mask.hpp"
+#include "problem.hpp"
+#include "status.hpp"
+#include "tensor.hpp"
+
+namespace fusedattn {
+namespace detail {
+
+inline std::string str(index_t v) { return std::to_string(v); }
+
+/// a * b, or false when it overflows int64 (both non-negative).
+inline bool mul_ok(index_t a, index_t b, index_t& out) {
+  if (a != 0 && b > INT64_MAX / a) return false;
+  out = a * b;
+  return true;
+}
+
+/// Checks one operand view against the extents the problem implies.
+template <class T>
+status check_operand(const char* name, const tensor_ref<T>& t, dims4 want) {
+  const std::string n = name;
+  if (t.data == nullptr) return status::invalid(n + ".data is null");
+  const index_t got[4] = {t.dims.b, t.dims.h, t.dims.s, t.dims.d};
+  const index_t exp[4] = {want.b, want.h, want.s, want.d};
+  const char* field[4] = {"b", "h", "s", "d"};
+  const char* from[4] = {"batch", "heads", "seq", "head_dim"};
+  for (int i = 0; i < 4; ++i)
+    if (got[i] != exp[i])
+      return status::invalid(n + ".dims." + field[i] + " is " + str(got[i]) + " but the problem's " + from[i] +
+                             " implies " + str(exp[i]));
+  if (t.stride.d != 1)
+    return status::invalid(n + ".stride.d is " + str(t.stride.d) + "; the head dimension must be contiguous (stride 1)");
+  const index_t s[3] = {t.stride.b, t.stride.h, t.stride.s};
+  for (int i = 0; i < 3; ++i)
+    if (s[i] < 0) return status::invalid(n + ".stride." + field[i] + " is " + str(s[i]) + "; strides must be >= 0");
+  // The largest element offset must be representable.
+  index_t total = 0, part = 0;
+  const index_t ext[3] = {t.dims.b - 1, t.dims.h - 1, t.dims.s - 1};
+  for (int i = 0; i < 3; ++i) {
+    if (!mul_ok(ext[i], s[i], part) || part > INT64_MAX - total - t.dims.d)
+      return status::invalid(n + ": the extents and strides address beyond 2^63 elements");
+    total += part;
+  }
+  return {};
+}
+
+/// True when two byte ranges [a, a + na) and [b, b + nb) overlap.
+inline bool overlaps(const void* a, index_t na, const void* b, index_t nb) {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return pa < pb + static_cast<std::uintptr_t>(nb) && pb < pa + static_cast<std::uintptr_t>(na);
+}
+
+/// True when no two distinct (b, h, s, d) indices of `t` address the same element.
+template <class T>
+bool rows_disjoint(const tensor_ref<T>& t) {
+  // Sort the three outer axes by stride; each must step past everything the inner axes cover.
+  index_t ext[3] = {t.dims.b, t.dims.h, t.dims.s}, st[3] = {t.stride.b, t.stride.h, t.stride.s};
+  for (int i = 0; i < 3; ++i)
+    for (int j = i + 1; j < 3; ++j)
+      if (st[j] < st[i] || (st[j] == st[i] && ext[j] < ext[i])) {
+        std::swap(st[i], st[j]);
+        std::swap(ext[i], ext[j]);
+      }
+  index_t covered = t.dims.d;  // elements spanned by the inner axes
+  for (int i = 0; i < 3; ++i) {
+    if (ext[i] <= 1) continue;
+    if (st[i] < covered) return false;
+    covered = st[i] * (ext[i] - 1) + covered;
+  }
+  return true;
+}
+
+inline status check_mask(const dense&) { return {}; }
+inline status check_mask(const causal& c) {
+  if (c.alignment != align::top_left && c.alignment != align::bottom_right)
+    return status::invalid("causal.alignment is not a valid fusedattn::align value");
+  return {};
+}
+inline status check_mask(const window& w) {
+  if (w.left < 0) return status::invalid("window.left is " + str(w.left) + "; it must be >= 0");
+  if (w.right < 0) return status::invalid("window.right is " + str(w.right) + "; it must be >= 0");
+  if (w.alignment != align::top_left && w.alignment != align::bottom_right)
+    return status::invalid("window.alignment is not a valid fusedattn::align value");
+  return {};
+}
+
+}  // namespace detail
+
+/// Checks the problem alone: positive sizes, heads divisible by heads_kv, head_dim bound, scale.
+inline status validate(const problem& p) {
+  using detail::str;
+  const index_t v[6] = {p.batch, p.heads, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim};
+  const char* n[6] = {"batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim"};
+  for (int i = 0; i < 6; ++i)
+    if (v[i] <= 0) return status::invalid(std::string("problem.") + n[i] + " is " + str(v[i]) + "; it must be positive");
+  if (p.heads % p.heads_kv != 0)
+    return status::invalid("problem.heads (" + str(p.heads) + ") is not a multiple of problem.heads_kv (" +
+                           str(p.heads_kv) + ")");
+  if (p.head_dim > max_head_dim)
+    return status::invalid("problem.head_dim is " + str(p.head_dim) + "; the largest supported is " +
+                           str(max_head_dim));
+  if (p.scale && !(std::isfinite(*p.scale) && *p.scale > 0))
+    return status::invalid("problem.scale is " + std::to_string(*p.scale) + "; it must be finite and positive");
+  index_t n_q = 0, n_kv = 0;
+  if (!detail::mul_ok(p.batch, p.heads, n_q) || !detail::mul_ok(n_q, p.seq_q, n_q) ||
+      !detail::mul_ok(n_q, p.head_dim, n_q) || !detail::mul_ok(p.batch, p.heads_kv, n_kv) ||
+      !detail::mul_ok(n_kv, p.seq_kv, n_kv) || !detail::mul_ok(n_kv, p.head_dim, n_kv))
+    return status::invalid("problem: batch * heads * seq * head_dim overflows 64 bits");
+  return {};
+}
+
+/// Checks a whole call: the problem, the four views (pointers, extents, unit head-dim stride, non-negative
+/// strides), the mask, that O has no two rows on the same memory, and that O and lse overlap no input.
+/// Returns the first failure found; nothing is read or written.
+template <class T, class Mask>
+status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, const float* lse) {
+  static_assert(is_supported_scalar_v<T>,
+                "fusedattn supports float, double, Eigen::half and Eigen::bfloat16 for Q, K, V and O");
+  if (status st = validate(p); !st) return st;
+  if (status st = detail::check_operand("q", q, p.q_dims()); !st) return st;
+  if (status st = detail::check_operand("k", k, p.kv_dims()); !st) return st;
+  if (status st = detail::check_operand("v", v, p.kv_dims()); !st) return st;
+  if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
+  if (status st = detail::check_mask(mask); !st) return st;
+  if (!detail::rows_disjoint(o)) return status::invalid("o: its strides make distinct rows share memory");
+  const index_t bytes_o = span_elements(o) * static_cast<index_t>(sizeof(T));
+  const tensor_ref<const T>* in[3] = {&q, &k, &v};
+  const char* in_name[3] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    const index_t bytes_in = span_elements(*in[i]) * static_cast<index_t>(sizeof(T));
+    if (detail::overlaps(o.data, bytes_o, in[i]->data, bytes_in))
+      return status::invalid(std::string("o overlaps ") + in_name[i] + "; the output must not alias an input");
+    if (lse && detail::overlaps(lse, p.lse_size() * index_t(sizeof(float)), in[i]->data, bytes_in))
+      return status::invalid(std::string("lse overlaps ") + in_name[i]);
+  }
+  if (lse && detail::overlaps(lse, p.lse_size() * index_t(sizeof(float)), o.data, bytes_o)) return status::invalid("lse overlaps o");
+  return {};
+}
+
+}  // namespace fusedattn

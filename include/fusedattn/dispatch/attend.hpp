@@ -1,0 +1,75 @@
+/// @file attend.hpp
+/// `attend`: the one public entry point. It validates, binds the mask to the problem and hands the call to
+/// the policy's kernel. Runtime mask choices (`any_mask`) become types here, once, with std::visit.
+#pragma once
+
+#include <variant>
+
+#include "../core/problem.hpp"
+#include "../core/status.hpp"
+#include "../core/tensor.hpp"
+#include "../core/validate.hpp"
+#include "../kernels/mask.hpp"
+#include "../kernels/naive.hpp"
+#include "policy.hpp"
+
+namespace fusedattn {
+
+/// A mask chosen at run time.
+using any_mask = std::variant<dense, causal, window>;
+
+namespace detail {
+
+template <class T, class Bound>
+status run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<const T>& q,
+           const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
+           float* lse) {
+  if (pol.threads <= 0)
+    return status::invalid("policy.threads is " + std::to_string(pol.threads) + "; it must be >= 1");
+  return kernels::naive_attention(p, q, k, v, o, mask, lse, pol.threads);
+}
+
+#if !FUSEDATTN_WITH_CUDA
+template <class T, class Bound>
+status run(const policy::cuda&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
+           const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
+  return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
+}
+#endif
+
+#if !FUSEDATTN_WITH_ASCEND
+template <class T, class Bound>
+status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
+           const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
+  return {errc::unsupported, "fusedattn was built without Ascend support (FUSEDATTN_WITH_ASCEND is off)"};
+}
+#endif
+
+}  // namespace detail
+
+/// Scaled dot-product attention: O = softmax(scale · Q·Kᵀ + mask) · V, and optionally lse = max + log(sum)
+/// per (batch, head, query row).
+///
+/// @param pol   where to run: policy::cpu_naive{}, policy::cpu<Arch>{}, policy::cuda{stream}, ...
+/// @param p     sizes and scale; heads must be a multiple of heads_kv (GQA / MQA).
+/// @param q     (batch, heads, seq_q, head_dim) view; k, v: (batch, heads_kv, seq_kv, head_dim) views.
+///              Any non-negative strides; the head_dim stride must be 1.
+/// @param o     (batch, heads, seq_q, head_dim) output view; must not overlap q, k, v or itself.
+/// @param mask  dense{}, causal{align}, window{left, right, align} or an any_mask.
+/// @param lse   optional output of batch·heads·seq_q floats laid out [b][h][i], natural log; nullptr for none.
+///              A query row that sees no key gets O = 0 and lse = −inf.
+/// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a
+///         backend not compiled in, errc::out_of_memory when scratch cannot be allocated (nothing written).
+template <class Policy, class T, class Mask = dense>
+status attend(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
+              tensor_ref<const detail::identity_t<T>> k, tensor_ref<const detail::identity_t<T>> v, tensor_ref<T> o,
+              const Mask& mask = {}, float* lse = nullptr) {
+  if constexpr (std::is_same_v<Mask, any_mask>) {
+    return std::visit([&](const auto& m) { return attend(pol, p, q, k, v, o, m, lse); }, mask);
+  } else {
+    if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
+    return detail::run(pol, p, q, k, v, o, bind(mask, p), lse);
+  }
+}
+
+}  // namespace fusedattn

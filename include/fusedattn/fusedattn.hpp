@@ -1,0 +1,15 @@
+/// @file fusedattn.hpp
+/// Umbrella header: include this one. Fused scaled-dot-product attention for C++17,
+/// O = softmax(scale · Q·Kᵀ + mask) · V, on the CPU (and CUDA / Ascend when compiled in).
+#pragma once
+
+#include "config.hpp"
+#include "core/problem.hpp"
+#include "core/status.hpp"
+#include "core/tensor.hpp"
+#include "core/types.hpp"
+#include "core/validate.hpp"
+#include "kernels/mask.hpp"
+#include "kernels/naive.hpp"
+#include "dispatch/policy.hpp"
+#include "dispatch/attend.hpp"

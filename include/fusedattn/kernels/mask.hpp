@@ -1,0 +1,120 @@
+/// @file mask.hpp
+/// Mask policies. A user-facing mask (dense, causal, window) is bound to a problem's sequence lengths once,
+/// giving a `band_mask` that answers the three questions every kernel asks:
+///   kv_range(q0, q1)               which keys rows [q0, q1) may see at all (tiles outside are skipped, not masked);
+///   is_partial(q0, q1, k0, k1)     whether a tile needs per-element masking;
+///   allowed(i, j)                  the per-element rule (the test oracle uses only this one).
+/// Everything here is host/device-clean so the CUDA kernels include this very header.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "../config.hpp"
+#include "../core/problem.hpp"
+#include "../core/types.hpp"
+
+namespace fusedattn {
+
+/// How a causal or window mask lines up the query and key sequences when seq_q != seq_kv.
+enum class align {
+  top_left,      ///< query i sits at key position i (PyTorch SDPA's `is_causal`)
+  bottom_right,  ///< query i sits at key position i + seq_kv - seq_q (FlashAttention; KV-cache decoding)
+};
+
+/// Every query sees every key.
+struct dense {};
+
+/// Query i sees keys j <= pos(i), where pos(i) = i (top_left) or i + seq_kv - seq_q (bottom_right).
+/// With bottom_right and seq_q > seq_kv the first seq_q - seq_kv rows see no key: their output is 0, lse -inf.
+struct causal {
+  align alignment = align::top_left;
+};
+
+/// Sliding window: query i sees keys j with pos(i) - left <= j <= pos(i) + right (both bounds inclusive,
+/// as FlashAttention's window_size). `window{n, 0}` is causal attention limited to the last n keys.
+struct window {
+  index_t left = 0;
+  index_t right = 0;
+  align alignment = align::top_left;
+};
+
+/// Half-open key range [begin, end).
+struct kv_span {
+  index_t begin = 0;
+  index_t end = 0;
+  FUSEDATTN_HOST_DEVICE bool empty() const { return end <= begin; }
+};
+
+/// A mask bound to sequence lengths: key j is allowed for query i iff lo <= j - i <= hi (and 0 <= j < seq_kv).
+/// dense, causal and window all reduce to this one rule, so the kernels carry a single band code path.
+struct band_mask {
+  /// Stands for "no bound on this side".
+  static constexpr index_t unbounded = std::numeric_limits<index_t>::max() / 4;
+
+  index_t seq_q = 0;
+  index_t seq_kv = 0;
+  index_t lo = -unbounded;  ///< smallest allowed j - i
+  index_t hi = unbounded;   ///< largest allowed j - i
+
+  /// The per-element rule.
+  FUSEDATTN_HOST_DEVICE bool allowed(index_t i, index_t j) const {
+    const index_t diff = j - i;
+    return j >= 0 && j < seq_kv && diff >= lo && diff <= hi;
+  }
+  /// Keys query row i may see.
+  FUSEDATTN_HOST_DEVICE kv_span row_range(index_t i) const { return kv_range(i, i + 1); }
+  /// Smallest key range covering every allowed key of rows [q0, q1); empty when none is allowed.
+  FUSEDATTN_HOST_DEVICE kv_span kv_range(index_t q0, index_t q1) const {
+    index_t b = q0 + lo;
+    index_t e = (q1 - 1) + hi + 1;
+    if (b < 0) b = 0;
+    if (e > seq_kv) e = seq_kv;
+    return {b, e};
+  }
+  /// Whether tile rows [q0, q1) × keys [k0, k1) holds any element the rule forbids (keys beyond seq_kv count).
+  FUSEDATTN_HOST_DEVICE bool is_partial(index_t q0, index_t q1, index_t k0, index_t k1) const {
+    const bool inside = k1 <= seq_kv && k0 >= 0 && (k0 - (q1 - 1)) >= lo && ((k1 - 1) - q0) <= hi;
+    return !inside;
+  }
+  /// Number of allowed (i, j) pairs: the score entries a perfect kernel computes.
+  index_t allowed_count() const {
+    index_t n = 0;
+    for (index_t i = 0; i < seq_q; ++i) {
+      const kv_span r = row_range(i);
+      if (!r.empty()) n += r.end - r.begin;
+    }
+    return n;
+  }
+};
+
+namespace detail {
+/// Offset of query row 0's key position for an alignment.
+inline index_t alignment_offset(align a, const problem& p) {
+  return a == align::bottom_right ? p.seq_kv - p.seq_q : 0;
+}
+/// Clamp a user bound so that offset +/- bound cannot overflow.
+inline index_t clamp_bound(index_t v) { return v > band_mask::unbounded ? band_mask::unbounded : v; }
+}  // namespace detail
+
+/// Binds a mask to a problem's sequence lengths.
+inline band_mask bind(const dense&, const problem& p) { return {p.seq_q, p.seq_kv}; }
+inline band_mask bind(const causal& c, const problem& p) {
+  return {p.seq_q, p.seq_kv, -band_mask::unbounded, detail::alignment_offset(c.alignment, p)};
+}
+inline band_mask bind(const window& w, const problem& p) {
+  const index_t off = detail::alignment_offset(w.alignment, p);
+  return {p.seq_q, p.seq_kv, off - detail::clamp_bound(w.left), off + detail::clamp_bound(w.right)};
+}
+inline band_mask bind(const band_mask& m, const problem&) { return m; }
+
+/// Short name used in bench labels and messages.
+inline const char* mask_name(const dense&) { return "dense"; }
+inline const char* mask_name(const causal& c) {
+  return c.alignment == align::top_left ? "causal" : "causal_br";
+}
+inline const char* mask_name(const window& w) {
+  return w.alignment == align::top_left ? "window" : "window_br";
+}
+
+}  // namespace fusedattn

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what fusedattn's build, tests and bench need from Debian, and only what is missing.
+# Idempotent: runs `apt-get update` at most once, and not at all when everything is present.
+#   library:        libeigen3-dev libxsimd-dev xtl-dev
+#   tests, bench:   catch2 libbenchmark-dev cmake g++
+#   optional peers: libopenblas-dev (naive-on-BLAS peer), python3-matplotlib (bench/plot.py)
+set -euo pipefail
+pkgs=(cmake g++ make libeigen3-dev libxsimd-dev xtl-dev catch2 libbenchmark-dev libopenblas-dev python3-matplotlib)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all present"
+  exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "install-deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

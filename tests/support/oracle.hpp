@@ -1,0 +1,60 @@
+/// @file oracle.hpp
+/// The independent float64 reference: a plain loop that uses only the mask's per-element rule `allowed(i, j)`.
+/// Nothing in it is shared with the kernels' schedules (kv ranges, partial tiles, online softmax).
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <fusedattn/fusedattn.hpp>
+
+namespace fusedattn::testing {
+
+/// O and lse of one call in float64, O laid out [b][h][i][c] and lse [b][h][i].
+struct reference {
+  std::vector<double> o;
+  std::vector<double> lse;
+};
+
+/// softmax(scale · q·kᵀ restricted to allowed(i, j)) · v, every sum in double. A row with no allowed key
+/// gives O = 0 and lse = −inf. `Acc` picks the arithmetic: double is the oracle; the storage type's
+/// accumulation type gives the "plain same-precision implementation" that tolerances are derived from.
+template <class Acc = double, class T, class Mask>
+reference reference_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                              const tensor_ref<const T>& v, const Mask& mask) {
+  reference r{std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim)),
+              std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q))};
+  const Acc scale = static_cast<Acc>(p.softmax_scale());
+  std::vector<Acc> s(static_cast<std::size_t>(p.seq_kv));
+  std::vector<Acc> acc(static_cast<std::size_t>(p.head_dim));
+  for (index_t b = 0; b < p.batch; ++b)
+    for (index_t h = 0; h < p.heads; ++h)
+      for (index_t i = 0; i < p.seq_q; ++i) {
+        const index_t g = p.kv_head(h);
+        Acc m = -std::numeric_limits<Acc>::infinity();
+        for (index_t j = 0; j < p.seq_kv; ++j) {
+          if (!mask.allowed(i, j)) continue;
+          Acc dot = 0;
+          for (index_t c = 0; c < p.head_dim; ++c)
+            dot += static_cast<Acc>(q.row(b, h, i)[c]) * static_cast<Acc>(k.row(b, g, j)[c]);
+          s[j] = scale * dot;
+          m = std::max(m, s[j]);
+        }
+        Acc l = 0;
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (index_t j = 0; j < p.seq_kv; ++j) {
+          if (!mask.allowed(i, j)) continue;
+          const Acc e = std::exp(s[j] - m);
+          l += e;
+          for (index_t c = 0; c < p.head_dim; ++c) acc[c] += e * static_cast<Acc>(v.row(b, g, j)[c]);
+        }
+        const std::size_t row = static_cast<std::size_t>((b * p.heads + h) * p.seq_q + i);
+        for (index_t c = 0; c < p.head_dim; ++c)
+          r.o[row * p.head_dim + c] = l > 0 ? static_cast<double>(acc[c] / l) : 0.0;
+        r.lse[row] = l > 0 ? static_cast<double>(m + std::log(l)) : -std::numeric_limits<double>::infinity();
+      }
+  return r;
+}
+
+}  // namespace fusedattn::testing
