@@ -77,6 +77,15 @@ struct band_mask {
     const bool inside = k1 <= seq_kv && k0 >= 0 && (k0 - (q1 - 1)) >= lo && ((k1 - 1) - q0) <= hi;
     return !inside;
   }
+  // The tile-loop interface every bound mask offers (band_mask here, block_sparse_mask in block_sparse.hpp):
+  //   q_granule()                 q-tiles must not straddle a multiple of this (0: any q tiling is fine);
+  //   num_segments(q0, q1)        how many disjoint key segments rows [q0, q1) visit;
+  //   segment(q0, q1, r)          the r-th segment, ascending; the loop cuts it into kv tiles;
+  //   is_partial(...), allowed()  as above.
+  FUSEDATTN_HOST_DEVICE index_t q_granule() const { return 0; }
+  FUSEDATTN_HOST_DEVICE index_t num_segments(index_t q0, index_t q1) const { return kv_range(q0, q1).empty() ? 0 : 1; }
+  FUSEDATTN_HOST_DEVICE kv_span segment(index_t q0, index_t q1, index_t /*r*/) const { return kv_range(q0, q1); }
+
   /// Number of allowed (i, j) pairs: the score entries a perfect kernel computes.
   index_t allowed_count() const {
     index_t n = 0;
