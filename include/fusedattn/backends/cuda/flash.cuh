@@ -1,0 +1,282 @@
+/// @file flash.cuh
+/// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
+/// bf16, head_dim 64 and 128, every band mask, GQA/MQA and any sequence lengths. Not the dispatch (attend_cuda.cuh).
+///
+/// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 of them. The block walks the
+/// key tiles the mask's kv_range allows, `block_n` keys at a time:
+///   S = Q·Kᵀ            (warp: 16 × block_n, Q fragments kept in registers, K from shared memory)
+///   S = −inf where the mask forbids (only on tiles is_partial reports)
+///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
+///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
+/// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
+/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: V of tile t streams in during Q·Kᵀ of tile t,
+/// K of tile t + 1 during P·V of tile t.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "../../core/status.hpp"
+#include "../../core/tensor.hpp"
+#include "../../kernels/mask.hpp"
+#include "device_types.cuh"
+#include "error.cuh"
+#include "mma.cuh"
+
+namespace fusedattn {
+namespace cuda_backend {
+
+/// Everything one flash launch needs, by value. Strides are in elements.
+struct flash_params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  ///< [b][h][s_q] or nullptr
+  strides4 q_stride, k_stride, v_stride, o_stride;
+  int batch, heads, group, seq_q, seq_kv;
+  float scale_log2;  ///< softmax scale · log2(e)
+  band_mask mask;
+};
+
+/// Compile-time tile shape of one flash instantiation.
+template <int HeadDim, int Warps, int BlockN>
+struct flash_tile {
+  static constexpr int head_dim = HeadDim;
+  static constexpr int warps = Warps;
+  static constexpr int threads = 32 * Warps;
+  static constexpr int block_m = 16 * Warps;  ///< query rows per block, 16 per warp
+  static constexpr int block_n = BlockN;      ///< keys per tile
+  static constexpr int chunks = HeadDim / 8;  ///< 16-byte chunks per row
+  static constexpr int smem_elems = (block_m + 2 * block_n) * HeadDim;  ///< Q, K and V tiles
+  static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
+  static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
+};
+
+/// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
+/// the 8 rows one ldmatrix phase reads (same logical chunk) fall in 8 different bank groups.
+template <int Chunks>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * (Chunks * 8) + ((chunk ^ (row & 7)) << 3);
+}
+
+/// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory;
+/// rows at and past `valid` are zero-filled (never read).
+template <class Tile, int Rows, class E>
+__device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s, int valid) {
+  for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
+    const int r = c / Tile::chunks, ch = c % Tile::chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
+  }
+}
+
+template <class E, class Tile>
+__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params p) {
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks;
+  constexpr float neg_inf = -INFINITY;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
+  E* sk = sq + BM * D;                     // [BN][D] swizzled
+  E* sv = sk + BN * D;                     // [BN][D] swizzled
+
+  // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
+  const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
+
+  const index_t q0 = static_cast<index_t>(m_block) * BM;
+  const index_t q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  const index_t wq0 = q0 + warp * 16;                       // this warp's rows [wq0, wq1)
+  const index_t wq1 = wq0 + 16 < p.seq_q ? wq0 + 16 : p.seq_q;
+  const index_t row[2] = {wq0 + g, wq0 + g + 8};            // the two rows this thread holds
+
+  const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+
+  const kv_span range = p.mask.kv_range(q0, q1);
+  const index_t k_first = range.empty() ? range.end : (range.begin / BN) * BN;
+  auto rows_left = [](index_t from, index_t end, int cap) { return end - from < cap ? int(end - from) : cap; };
+
+  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, int(q1 - q0));
+  if (k_first < range.end)
+    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Q fragments of this warp's 16 rows, all of head_dim: D/16 A fragments of 16 × 16.
+  std::uint32_t q_frag[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], sq + swizzle<CH>(warp * 16 + lane % 16, kk * 2 + lane / 16));
+
+  float acc[D / 8][4];  // O of 16 rows × D, as D/8 accumulator tiles of 16 × 8
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_run[2] = {neg_inf, neg_inf};  // running max of scale·log2(e)·s, rows g and g + 8
+  float l_run[2] = {0.f, 0.f};          // this thread's part of the running sum of exponentials
+
+  for (index_t k0 = k_first; k0 < range.end; k0 += BN) {
+    // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
+    load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+    cp_async_commit();
+
+    // S (16 × BN) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles.
+    float s[BN / 8][4];
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        std::uint32_t kf[4];
+        ldmatrix_x4(kf, sk + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+        mma_16816<E>(s[2 * np], q_frag[kk], kf[0], kf[1]);
+        mma_16816<E>(s[2 * np + 1], q_frag[kk], kf[2], kf[3]);
+      }
+    }
+
+    // Per-element mask, only where the tile crosses the band edge or the end of the keys.
+    if (p.mask.is_partial(wq0, wq1, k0, k0 + BN)) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!p.mask.allowed(row[e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[n][e] = neg_inf;
+    }
+
+    // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m_run[r];
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * p.scale_log2);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
+      const float alpha = exp2f(m_run[r] - m_use);
+      m_run[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          s[n][e] = exp2f(fmaf(s[n][e], p.scale_log2, -m_use));
+          sum += s[n][e];
+        }
+      l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][2 * r] *= alpha;
+        acc[n][2 * r + 1] *= alpha;
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V landed; every warp is done with this K tile
+    if (k0 + BN < range.end) {
+      load_tile<Tile, BN>(sk, k_head + (k0 + BN) * p.k_stride.s, p.k_stride.s, rows_left(k0 + BN, p.seq_kv, BN));
+      cp_async_commit();
+    }
+
+    // O (16 × D) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A fragment.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const std::uint32_t a[4] = {mma_type<E>::pack(s[2 * kk][0], s[2 * kk][1]),
+                                  mma_type<E>::pack(s[2 * kk][2], s[2 * kk][3]),
+                                  mma_type<E>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  mma_type<E>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t vf[4];
+        ldmatrix_x4_trans(vf, sv + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+        mma_16816<E>(acc[2 * dp], a, vf[0], vf[1]);
+        mma_16816<E>(acc[2 * dp + 1], a, vf[2], vf[3]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next K tile landed; every warp is done with this V tile
+  }
+
+  // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+    if (p.lse != nullptr && t == 0 && row[r] < p.seq_q)
+      p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[r]] =
+          l > 0.f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : neg_inf;
+  }
+  // Stage O through this warp's rows of the Q tile, then write whole 16-byte chunks of each row.
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<std::uint32_t*>(sq + swizzle<CH>(warp * 16 + g + 8 * r, n) + 2 * t) =
+          mma_type<E>::pack(acc[n][2 * r] * inv_l[r], acc[n][2 * r + 1] * inv_l[r]);
+  __syncthreads();
+  for (int c = threadIdx.x; c < BM * CH; c += Tile::threads) {
+    const int r = c / CH, ch = c % CH;
+    if (q0 + r < p.seq_q)
+      *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
+          *reinterpret_cast<const uint4*>(sq + swizzle<CH>(r, ch));
+  }
+}
+
+/// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, measured on an H100/H200
+/// (docs/PERFORMANCE.md, CUDA section). `flash_default_tile<D>::type` is a flash_tile.
+template <int HeadDim>
+struct flash_default_tile;
+template <>
+struct flash_default_tile<64> {
+  using type = flash_tile<64, 4, 128>;
+};
+template <>
+struct flash_default_tile<128> {
+  using type = flash_tile<128, 8, 64>;
+};
+
+/// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and
+/// batch strides that are multiples of 8 elements.
+template <class T>
+bool flash_aligned(const tensor_ref<T>& t) {
+  constexpr index_t vec = 16 / index_t(sizeof(T));
+  return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.stride.s % vec == 0 && t.stride.h % vec == 0 &&
+         t.stride.b % vec == 0;
+}
+
+/// Launches one flash instantiation. `E` is the device element type (__half or __nv_bfloat16).
+template <class E, class Tile>
+status launch_flash(const flash_params& p, cudaStream_t stream) {
+  const auto kernel = flash_forward_kernel<E, Tile>;
+  const int smem = Tile::smem_elems * int(sizeof(E));
+  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                            "cudaFuncSetAttribute(flash_forward_kernel)");
+      !st)
+    return st;
+  const dim3 grid((p.seq_q + Tile::block_m - 1) / Tile::block_m, p.heads, p.batch);
+  kernel<<<grid, Tile::threads, smem, stream>>>(p);
+  return last_launch("flash_forward_kernel");
+}
+
+/// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
+inline status flash_grid_fits(const problem& p) {
+  constexpr index_t max_yz = 65535, max_int = 0x7fffffff;
+  if (p.heads > max_yz) return {errc::unsupported, "problem.heads is " + std::to_string(p.heads) + "; CUDA flash takes at most 65535"};
+  if (p.batch > max_yz) return {errc::unsupported, "problem.batch is " + std::to_string(p.batch) + "; CUDA flash takes at most 65535"};
+  if (p.seq_q > max_int || p.seq_kv > max_int)
+    return {errc::unsupported, "problem.seq_q/seq_kv exceed 2^31 - 1, the CUDA flash limit"};
+  return {};
+}
+
+}  // namespace cuda_backend
+}  // namespace fusedattn
