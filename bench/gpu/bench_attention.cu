@@ -125,20 +125,67 @@ void report(const char* dtype, const shape& c, const std::string& kernel, double
               c.causal ? "causal" : "dense", kernel.c_str(), ms, tflops);
 }
 
+/// Σ (a − b)² and Σ b² over n values, accumulated in sums[0], sums[1].
+template <class E>
+__global__ void squared_difference(const E* a, const E* b, fa::index_t n, double* sums) {
+  double d2 = 0, b2 = 0;
+  for (fa::index_t i = blockIdx.x * fa::index_t(blockDim.x) + threadIdx.x; i < n; i += fa::index_t(gridDim.x) * blockDim.x) {
+    const double x = cb::widen(a[i]), y = cb::widen(b[i]);
+    d2 += (x - y) * (x - y);
+    b2 += y * y;
+  }
+  atomicAdd(&sums[0], d2);
+  atomicAdd(&sums[1], b2);
+}
+
+/// ‖a − b‖ / ‖b‖ of two device arrays.
+template <class E>
+double relative_difference(const E* a, const E* b, fa::index_t n) {
+  double* sums = nullptr;
+  BENCH_CHECK(cudaMalloc(&sums, 2 * sizeof(double)));
+  BENCH_CHECK(cudaMemset(sums, 0, 2 * sizeof(double)));
+  squared_difference<<<512, 256>>>(a, b, n, sums);
+  double h[2] = {0, 0};
+  BENCH_CHECK(cudaMemcpy(h, sums, sizeof(h), cudaMemcpyDeviceToHost));
+  cudaFree(sums);
+  return std::sqrt(h[0] / h[1]);
+}
+
 /// Times one flash tile on a shape (launch_flash directly: the alternatives the heuristic chose between).
+/// One call of the default flash on the last input set (output in x.o).
+template <class T>
+void time_default_once(const shape& c, operands<T>& x) {
+  const int i = x.sets - 1;
+  const fa::status st = c.causal ? fa::attend(fa::policy::cuda{nullptr, fa::policy::cuda_kernel::flash}, x.p, x.view(x.q[i]),
+                                              x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::causal{}, x.lse)
+                                 : fa::attend(fa::policy::cuda{nullptr, fa::policy::cuda_kernel::flash}, x.p, x.view(x.q[i]),
+                                              x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::dense{}, x.lse);
+  if (!st) std::exit(1);
+  BENCH_CHECK(cudaDeviceSynchronize());
+}
+
 template <class T, class Tile>
 void time_tile(const shape& c, operands<T>& x, const char* label) {
   using E = cb::device_t<T>;
   const fa::band_mask m = c.causal ? fa::bind(fa::causal{}, x.p) : fa::bind(fa::dense{}, x.p);
   const fa::strides4 st = x.out().stride;
   const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
-  const double ms = median_ms(
-      [&](int i) {
-        const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m};
-        if (!cb::launch_flash<E, Tile>(fp, nullptr)) std::exit(1);
-      },
-      x.sets);
+  const auto run = [&](int i) {
+    const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m};
+    if (!cb::launch_flash<E, Tile>(fp, nullptr)) std::exit(1);
+  };
+  const double ms = median_ms(run, x.sets);
+  run(x.sets - 1);
   report(fa::scalar_name<T>(), c, std::string("flash ") + label, ms);
+  // The tile computes the same function as the default one: compare O of the last input set.
+  const fa::index_t n = fa::index_t(c.b) * c.h * c.s * c.d;
+  E* o_tile = nullptr;
+  BENCH_CHECK(cudaMalloc(&o_tile, n * sizeof(E)));
+  BENCH_CHECK(cudaMemcpy(o_tile, x.o, n * sizeof(E), cudaMemcpyDeviceToDevice));
+  time_default_once(c, x);
+  const double rel = relative_difference(o_tile, x.o, n);
+  cudaFree(o_tile);
+  std::printf("      %s vs default tile: relative difference %.2e%s\n", label, rel, rel < 1e-2 ? "" : "  <-- MISMATCH");
 }
 
 template <class T>
@@ -170,13 +217,14 @@ void flash_suite(const shape& c) {
   operands<T> x(c, sets_for(c, 2));
   time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
   if (c.d == 128) {
-    time_tile<T, cb::flash_tile<128, 4, 64>>(c, x, "w4 n64");
-    time_tile<T, cb::flash_tile<128, 8, 64>>(c, x, "w8 n64");
-    time_tile<T, cb::flash_tile<128, 8, 32>>(c, x, "w8 n32");
+    time_tile<T, cb::flash_tile<128, 4, 64>>(c, x, "w4 n64 r16");
+    time_tile<T, cb::flash_tile<128, 4, 64, 32>>(c, x, "w4 n64 r32");
+    time_tile<T, cb::flash_tile<128, 4, 32, 32>>(c, x, "w4 n32 r32");
+    time_tile<T, cb::flash_tile<128, 8, 64>>(c, x, "w8 n64 r16");
   } else {
-    time_tile<T, cb::flash_tile<64, 4, 128>>(c, x, "w4 n128");
-    time_tile<T, cb::flash_tile<64, 8, 64>>(c, x, "w8 n64");
-    time_tile<T, cb::flash_tile<64, 8, 128>>(c, x, "w8 n128");
+    time_tile<T, cb::flash_tile<64, 4, 128>>(c, x, "w4 n128 r16");
+    time_tile<T, cb::flash_tile<64, 4, 64, 32>>(c, x, "w4 n64 r32");
+    time_tile<T, cb::flash_tile<64, 4, 128, 32>>(c, x, "w4 n128 r32");
   }
 }
 

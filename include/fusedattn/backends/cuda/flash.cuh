@@ -2,9 +2,9 @@
 /// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
 /// bf16, head_dim 64 and 128, every band mask, GQA/MQA and any sequence lengths. Not the dispatch (attend_cuda.cuh).
 ///
-/// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 of them. The block walks the
-/// key tiles the mask's kv_range allows, `block_n` keys at a time:
-///   S = Q·Kᵀ            (warp: 16 × block_n, Q fragments kept in registers, K from shared memory)
+/// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 or 32 of them. The block walks
+/// the key tiles the mask's kv_range allows, `block_n` keys at a time:
+///   S = Q·Kᵀ            (warp: 16 or 32 × block_n, Q fragments from registers or shared memory, K from shared)
 ///   S = −inf where the mask forbids (only on tiles is_partial reports)
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
@@ -42,18 +42,23 @@ struct flash_params {
   band_mask mask;
 };
 
-/// Compile-time tile shape of one flash instantiation.
-template <int HeadDim, int Warps, int BlockN>
+/// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
+/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles.
+template <int HeadDim, int Warps, int BlockN, int WarpRows = 16>
 struct flash_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int warps = Warps;
   static constexpr int threads = 32 * Warps;
-  static constexpr int block_m = 16 * Warps;  ///< query rows per block, 16 per warp
-  static constexpr int block_n = BlockN;      ///< keys per tile
-  static constexpr int chunks = HeadDim / 8;  ///< 16-byte chunks per row
+  static constexpr int m_tiles = WarpRows / 16;     ///< 16-row mma tiles per warp
+  static constexpr int block_m = WarpRows * Warps;  ///< query rows per block
+  static constexpr int block_n = BlockN;            ///< keys per tile
+  static constexpr int chunks = HeadDim / 8;        ///< 16-byte chunks per row
   static constexpr int smem_elems = (block_m + 2 * block_n) * HeadDim;  ///< Q, K and V tiles
+  /// One 16-row tile keeps its Q fragments in registers; two re-read them from shared memory (register budget).
+  static constexpr bool q_in_registers = WarpRows == 16;
   static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
   static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
+  static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
@@ -76,7 +81,7 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
 
 template <class E, class Tile>
 __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params p) {
-  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks;
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
@@ -91,9 +96,15 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
   const index_t q0 = static_cast<index_t>(m_block) * BM;
   const index_t q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-  const index_t wq0 = q0 + warp * 16;                       // this warp's rows [wq0, wq1)
-  const index_t wq1 = wq0 + 16 < p.seq_q ? wq0 + 16 : p.seq_q;
-  const index_t row[2] = {wq0 + g, wq0 + g + 8};            // the two rows this thread holds
+  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile; m-tile mt covers 16 rows from +16·mt
+  index_t mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mq0[mt] = q0 + warp_row + 16 * mt;
+    mq1[mt] = mq0[mt] + 16 < p.seq_q ? mq0[mt] + 16 : p.seq_q;
+    row[mt][0] = mq0[mt] + g;
+    row[mt][1] = mq0[mt] + g + 8;
+  }
 
   const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
@@ -111,70 +122,94 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   cp_async_wait<0>();
   __syncthreads();
 
-  // Q fragments of this warp's 16 rows, all of head_dim: D/16 A fragments of 16 × 16.
-  std::uint32_t q_frag[D / 16][4];
+  // Q fragments (16 × 16 A tiles): all of head_dim kept in registers for one m-tile, else re-read per k-step.
+  std::uint32_t q_frag[Tile::q_in_registers ? D / 16 : 1][4];
+  if constexpr (Tile::q_in_registers) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], sq + swizzle<CH>(warp * 16 + lane % 16, kk * 2 + lane / 16));
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], sq + swizzle<CH>(warp_row + lane % 16, kk * 2 + lane / 16));
+  }
 
-  float acc[D / 8][4];  // O of 16 rows × D, as D/8 accumulator tiles of 16 × 8
+  float acc[MT][D / 8][4];  // O of each m-tile, 16 rows × D, as D/8 accumulator tiles of 16 × 8
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float m_run[2] = {neg_inf, neg_inf};  // running max of scale·log2(e)·s, rows g and g + 8
-  float l_run[2] = {0.f, 0.f};          // this thread's part of the running sum of exponentials
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+  float m_run[MT][2], l_run[MT][2];  // running max of scale·log2(e)·s; this thread's part of the running sum
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
   for (index_t k0 = k_first; k0 < range.end; k0 += BN) {
     // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
     load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
     cp_async_commit();
 
-    // S (16 × BN) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles.
-    float s[BN / 8][4];
+    // S (16 × BN per m-tile) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles,
+    // used by every m-tile.
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Tile::q_in_registers) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[kk][i];
+        } else {
+          ldmatrix_x4(a[mt], sq + swizzle<CH>(warp_row + 16 * mt + lane % 16, kk * 2 + lane / 16));
+        }
+      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         std::uint32_t kf[4];
         ldmatrix_x4(kf, sk + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
-        mma_16816<E>(s[2 * np], q_frag[kk], kf[0], kf[1]);
-        mma_16816<E>(s[2 * np + 1], q_frag[kk], kf[2], kf[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<E>(s[mt][2 * np], a[mt], kf[0], kf[1]);
+          mma_16816<E>(s[mt][2 * np + 1], a[mt], kf[2], kf[3]);
+        }
       }
     }
 
-    // Per-element mask, only where the tile crosses the band edge or the end of the keys.
-    if (p.mask.is_partial(wq0, wq1, k0, k0 + BN)) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
+    for (int mt = 0; mt < MT; ++mt) {
+      // Per-element mask, only where the tile crosses the band edge or the end of the keys.
+      if (p.mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!p.mask.allowed(row[e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[n][e] = neg_inf;
-    }
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!p.mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
+      }
 
-    // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
+      // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m_run[r];
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_run[mt][r];
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * p.scale_log2);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
-      const float alpha = exp2f(m_run[r] - m_use);
-      m_run[r] = mx;
-      float sum = 0.f;
+        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]) * p.scale_log2);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
+        const float alpha = exp2f(m_run[mt][r] - m_use);
+        m_run[mt][r] = mx;
+        float sum = 0.f;
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
+        for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[n][e] = exp2f(fmaf(s[n][e], p.scale_log2, -m_use));
-          sum += s[n][e];
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[mt][n][e] = exp2f(fmaf(s[mt][n][e], p.scale_log2, -m_use));
+            sum += s[mt][n][e];
+          }
+        l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          acc[mt][n][2 * r] *= alpha;
+          acc[mt][n][2 * r + 1] *= alpha;
         }
-      l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][2 * r] *= alpha;
-        acc[n][2 * r + 1] *= alpha;
       }
     }
 
@@ -185,19 +220,27 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       cp_async_commit();
     }
 
-    // O (16 × D) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A fragment.
+    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A
+    // fragment; one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const std::uint32_t a[4] = {mma_type<E>::pack(s[2 * kk][0], s[2 * kk][1]),
-                                  mma_type<E>::pack(s[2 * kk][2], s[2 * kk][3]),
-                                  mma_type<E>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  mma_type<E>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = mma_type<E>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = mma_type<E>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = mma_type<E>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = mma_type<E>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t vf[4];
         ldmatrix_x4_trans(vf, sv + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
-        mma_16816<E>(acc[2 * dp], a, vf[0], vf[1]);
-        mma_16816<E>(acc[2 * dp + 1], a, vf[2], vf[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
+          mma_16816<E>(acc[mt][2 * dp + 1], a[mt], vf[2], vf[3]);
+        }
       }
     }
     cp_async_wait<0>();
@@ -205,24 +248,25 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 
   // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
-  float inv_l[2];
+  // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks.
+  constexpr float ln2 = 0.69314718055994531f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
-    if (p.lse != nullptr && t == 0 && row[r] < p.seq_q)
-      p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[r]] =
-          l > 0.f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : neg_inf;
-  }
-  // Stage O through this warp's rows of the Q tile, then write whole 16-byte chunks of each row.
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n)
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      if (p.lse != nullptr && t == 0 && row[mt][r] < p.seq_q)
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[mt][r]] =
+            l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+      if constexpr (!Tile::q_in_registers) __syncwarp();  // this warp's Q reads are done before O overwrites them
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<std::uint32_t*>(sq + swizzle<CH>(warp * 16 + g + 8 * r, n) + 2 * t) =
-          mma_type<E>::pack(acc[n][2 * r] * inv_l[r], acc[n][2 * r + 1] * inv_l[r]);
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<std::uint32_t*>(sq + swizzle<CH>(warp_row + 16 * mt + g + 8 * r, n) + 2 * t) =
+            mma_type<E>::pack(acc[mt][n][2 * r] * inv_l, acc[mt][n][2 * r + 1] * inv_l);
+    }
   __syncthreads();
   for (int c = threadIdx.x; c < BM * CH; c += Tile::threads) {
     const int r = c / CH, ch = c % CH;
@@ -232,8 +276,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 }
 
-/// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, measured on an H100/H200
-/// (docs/PERFORMANCE.md, CUDA section). `flash_default_tile<D>::type` is a flash_tile.
+/// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
+/// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
+/// tiles (each K/V fragment feeds two mma tiles); head_dim 64 takes 4 warps of 16 rows and 128-key tiles.
 template <int HeadDim>
 struct flash_default_tile;
 template <>
@@ -242,7 +287,7 @@ struct flash_default_tile<64> {
 };
 template <>
 struct flash_default_tile<128> {
-  using type = flash_tile<128, 8, 64>;
+  using type = flash_tile<128, 4, 64, 32>;
 };
 
 /// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and
