@@ -43,6 +43,9 @@ def main():
     out = open(sys.argv[1], "w")
     flex_budget = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
     flex = None
+    # One compiled FlexAttention per shape and mask: let dynamo keep them all instead of falling back to eager.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.cache_size_limit = 256
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention)

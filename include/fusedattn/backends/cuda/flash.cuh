@@ -94,10 +94,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
 
-  const index_t q0 = static_cast<index_t>(m_block) * BM;
-  const index_t q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t.
+  const int q0 = m_block * BM;
+  const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
   const int warp_row = warp * 16 * MT;  // this warp's first row in the tile; m-tile mt covers 16 rows from +16·mt
-  index_t mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
+  int mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     mq0[mt] = q0 + warp_row + 16 * mt;
@@ -112,11 +113,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
   const kv_span range = p.mask.kv_range(q0, q1);
-  const index_t k_first = range.empty() ? range.end : (range.begin / BN) * BN;
-  auto rows_left = [](index_t from, index_t end, int cap) { return end - from < cap ? int(end - from) : cap; };
+  const int k_end = int(range.end);
+  const int k_first = range.empty() ? k_end : int(range.begin / BN) * BN;
+  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
-  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, int(q1 - q0));
-  if (k_first < range.end)
+  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
+  if (k_first < k_end)
     load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
   cp_async_commit();
   cp_async_wait<0>();
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
-  for (index_t k0 = k_first; k0 < range.end; k0 += BN) {
+  for (int k0 = k_first; k0 < k_end; k0 += BN) {
     // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
     load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
     cp_async_commit();
@@ -194,14 +196,14 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
-        const float alpha = exp2f(m_run[mt][r] - m_use);
+        const float alpha = fast_exp2(m_run[mt][r] - m_use);
         m_run[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[mt][n][e] = exp2f(fmaf(s[mt][n][e], p.scale_log2, -m_use));
+            s[mt][n][e] = fast_exp2(fmaf(s[mt][n][e], p.scale_log2, -m_use));
             sum += s[mt][n][e];
           }
         l_run[mt][r] = l_run[mt][r] * alpha + sum;
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
     cp_async_wait<0>();
     __syncthreads();  // V landed; every warp is done with this K tile
-    if (k0 + BN < range.end) {
+    if (k0 + BN < k_end) {
       load_tile<Tile, BN>(sk, k_head + (k0 + BN) * p.k_stride.s, p.k_stride.s, rows_left(k0 + BN, p.seq_kv, BN));
       cp_async_commit();
     }
@@ -315,11 +317,11 @@ status launch_flash(const flash_params& p, cudaStream_t stream) {
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
 inline status flash_grid_fits(const problem& p) {
-  constexpr index_t max_yz = 65535, max_int = 0x7fffffff;
+  constexpr index_t max_yz = 65535, max_seq = index_t(1) << 30;  // row + tile arithmetic stays inside int
   if (p.heads > max_yz) return {errc::unsupported, "problem.heads is " + std::to_string(p.heads) + "; CUDA flash takes at most 65535"};
   if (p.batch > max_yz) return {errc::unsupported, "problem.batch is " + std::to_string(p.batch) + "; CUDA flash takes at most 65535"};
-  if (p.seq_q > max_int || p.seq_kv > max_int)
-    return {errc::unsupported, "problem.seq_q/seq_kv exceed 2^31 - 1, the CUDA flash limit"};
+  if (p.seq_q > max_seq || p.seq_kv > max_seq)
+    return {errc::unsupported, "problem.seq_q/seq_kv exceed 2^30, the CUDA flash limit"};
   return {};
 }
 
