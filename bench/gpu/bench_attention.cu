@@ -171,7 +171,7 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
   const fa::strides4 st = x.out().stride;
   const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
   const auto run = [&](int i) {
-    const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m};
+    const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m, 1, nullptr, nullptr};
     if (!cb::launch_flash<E, Tile>(fp, nullptr)) std::exit(1);
   };
   const double ms = median_ms(run, x.sets);
@@ -235,6 +235,43 @@ void fusion_suite(const shape& c) {
   time_attend<T>(c, x, fa::policy::cuda_kernel::naive, "naive 3-pass");
 }
 
+/// Decode: s_q = 1 against a long key cache (split-KV path), flash beside naive; memory-bound, so GB/s of K and V.
+template <class T>
+void decode_suite(int b, int h, int s_kv, int d) {
+  using E = cb::device_t<T>;
+  const fa::problem p{b, h, h, 1, s_kv, d};
+  const fa::index_t n_q = fa::index_t(b) * h * d, n_kv = fa::index_t(b) * h * s_kv * d;
+  E *q, *k, *v, *o;
+  BENCH_CHECK(cudaMalloc(&q, n_q * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&k, n_kv * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&v, n_kv * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&o, n_q * sizeof(E)));
+  fill_random<<<1024, 256>>>(q, n_q, 7u);
+  fill_random<<<1024, 256>>>(k, n_kv, 8u);
+  fill_random<<<1024, 256>>>(v, n_kv, 9u);
+  const auto qv = fa::bhsd(reinterpret_cast<const T*>(q), p.q_dims());
+  const auto kv = fa::bhsd(reinterpret_cast<const T*>(k), p.kv_dims());
+  const auto vv = fa::bhsd(reinterpret_cast<const T*>(v), p.kv_dims());
+  const auto ov = fa::bhsd(reinterpret_cast<T*>(o), p.o_dims());
+  for (auto kernel : {fa::policy::cuda_kernel::flash, fa::policy::cuda_kernel::naive}) {
+    const double ms = median_ms(
+        [&](int) {
+          if (!fa::attend(fa::policy::cuda{nullptr, kernel}, p, qv, kv, vv, ov, fa::causal{fa::align::bottom_right}))
+            std::exit(1);
+        },
+        1);
+    const double gbps = 2.0 * n_kv * sizeof(E) / (ms * 1e-3) / 1e9;
+    std::fprintf(json, "{\"dtype\":\"%s\",\"b\":%d,\"h\":%d,\"s_q\":1,\"s\":%d,\"d\":%d,\"mask\":\"causal_br\",\"kernel\":\"decode %s\",\"ms\":%.5f,\"gbps\":%.1f}\n",
+                 fa::scalar_name<T>(), b, h, s_kv, d, kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+    std::printf("%-5s decode b=%d h=%d s_kv=%d d=%d %-6s %9.4f ms %8.1f GB/s of K+V\n", fa::scalar_name<T>(), b, h, s_kv, d,
+                kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+  }
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(o);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -254,5 +291,8 @@ int main(int argc, char** argv) {
     fusion_suite<Eigen::half>({1, 32, s, 128, false});
     fusion_suite<Eigen::half>({1, 32, s, 128, true});
   }
+  decode_suite<Eigen::half>(1, 32, 32768, 128);
+  decode_suite<Eigen::half>(8, 32, 8192, 128);
+  decode_suite<Eigen::bfloat16>(4, 16, 16384, 64);
   return 0;
 }

@@ -166,9 +166,18 @@ TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]"
   }
 }
 
+TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the float64 oracle", "[gpu][flash][decode]",
+                   Eigen::half, Eigen::bfloat16) {
+  const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {2, 2, 2, 3, 2999, 64}, {1, 8, 2, 16, 1500, 128},
+                            {1, 1, 1, 1, 513, 64},   {1, 2, 2, 100, 4100, 128}};
+  for (const problem& p : shapes)
+    for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
+}
+
 TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
-  const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128};
+  const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
   for (const any_mask& m : all_masks()) {
+    check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p128, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);

@@ -64,7 +64,7 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
     constexpr double log2e = 1.4426950408889634;
     const flash_params fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
                           int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
-                          static_cast<float>(p.softmax_scale() * log2e), mask};
+                          static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     if (p.head_dim == 64) return launch_flash<E, typename flash_default_tile<64>::type>(fp, stream);
     return launch_flash<E, typename flash_default_tile<128>::type>(fp, stream);
   } else {

@@ -10,7 +10,8 @@
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
 /// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
 /// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: V of tile t streams in during Q·Kᵀ of tile t,
-/// K of tile t + 1 during P·V of tile t.
+/// K of tile t + 1 during P·V of tile t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
+/// the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
 #pragma once
 
 #include <cmath>
@@ -40,6 +41,12 @@ struct flash_params {
   int batch, heads, group, seq_q, seq_kv;
   float scale_log2;  ///< softmax scale · log2(e)
   band_mask mask;
+  /// Split-KV (decode): `splits` > 1 cuts each block's key tiles into that many parts, grid.z = batch · splits; part
+  /// s writes its normalised O in f32 to o_part[s][b][h][i][:] and its lse to lse_part[s][b][h][i], and
+  /// flash_merge_kernel combines them. With splits = 1 both are unused and O, lse are written directly.
+  int splits;
+  float* o_part;
+  float* lse_part;
 };
 
 /// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
@@ -90,7 +97,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
   // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
   const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
-  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits, h_kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
 
@@ -113,8 +120,15 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
   const kv_span range = p.mask.kv_range(q0, q1);
-  const int k_end = int(range.end);
-  const int k_first = range.empty() ? k_end : int(range.begin / BN) * BN;
+  // Key tiles [k_first, k_end) in steps of BN; a split takes an equal share of whole tiles.
+  int k_end = int(range.end);
+  int k_first = range.empty() ? k_end : int(range.begin / BN) * BN;
+  if (p.splits > 1) {
+    const int tiles = (k_end - k_first + BN - 1) / BN;
+    const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
+    k_first = first;
+    k_end = last < k_end ? last : k_end;
+  }
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
@@ -250,8 +264,28 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 
   // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
-  // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks.
+  // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks;
+  // a split writes its part in f32 straight from the accumulators instead.
   constexpr float ln2 = 0.69314718055994531f;
+  if (p.splits > 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = l_run[mt][r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        if (row[mt][r] >= p.seq_q) continue;
+        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row[mt][r];
+        if (t == 0) p.lse_part[part_row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * t) =
+              make_float2(acc[mt][n][2 * r] * inv_l, acc[mt][n][2 * r + 1] * inv_l);
+      }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -278,14 +312,47 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 }
 
+/// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim:
+///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
+/// (a row no part saw gets O = 0, lse = −inf).
+template <class E>
+__global__ void flash_merge_kernel(const flash_params p, int head_dim) {
+  const index_t r = blockIdx.x, rows = index_t(p.batch) * p.heads * p.seq_q;
+  const int i = int(r % p.seq_q), h = int((r / p.seq_q) % p.heads), b = int(r / (index_t(p.seq_q) * p.heads));
+  float m = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.lse_part[s * rows + r]);
+  float w_sum = 0.f, o = 0.f;
+  if (m != -INFINITY)
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = __expf(p.lse_part[s * rows + r] - m);
+      w_sum += w;
+      if (threadIdx.x < unsigned(head_dim)) o += w * p.o_part[(s * rows + r) * head_dim + threadIdx.x];
+    }
+  E* o_row = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
+  if (threadIdx.x < unsigned(head_dim)) o_row[threadIdx.x] = narrow<E>(w_sum > 0.f ? o / w_sum : 0.f);
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[r] = w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
+}
+
+/// Number of key splits for a launch of `blocks` blocks over `kv_tiles` key tiles: split only decode-like calls
+/// (one q-block per head) that leave the GPU under-filled, into parts of at least two tiles, so that about two
+/// blocks run per multiprocessor.
+inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int multiprocessors) {
+  constexpr index_t blocks_per_sm = 2, min_tiles_per_split = 2, max_splits = 64;  // flash_grid_fits relies on 64
+  if (q_blocks > 1 || blocks >= blocks_per_sm * multiprocessors) return 1;
+  index_t splits = (blocks_per_sm * multiprocessors + blocks - 1) / blocks;
+  if (splits > kv_tiles / min_tiles_per_split) splits = kv_tiles / min_tiles_per_split;
+  if (splits > max_splits) splits = max_splits;
+  return splits > 1 ? int(splits) : 1;
+}
+
 /// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
 /// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
-/// tiles (each K/V fragment feeds two mma tiles); head_dim 64 takes 4 warps of 16 rows and 128-key tiles.
+/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles).
 template <int HeadDim>
 struct flash_default_tile;
 template <>
 struct flash_default_tile<64> {
-  using type = flash_tile<64, 4, 128>;
+  using type = flash_tile<64, 4, 128, 32>;
 };
 template <>
 struct flash_default_tile<128> {
@@ -301,25 +368,59 @@ bool flash_aligned(const tensor_ref<T>& t) {
          t.stride.b % vec == 0;
 }
 
-/// Launches one flash instantiation. `E` is the device element type (__half or __nv_bfloat16).
+/// Launches one flash instantiation (plus the merge of split-KV parts when the call is decode-like). `E` is the
+/// device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part` are filled in here.
 template <class E, class Tile>
-status launch_flash(const flash_params& p, cudaStream_t stream) {
+status launch_flash(flash_params p, cudaStream_t stream) {
   const auto kernel = flash_forward_kernel<E, Tile>;
   const int smem = Tile::smem_elems * int(sizeof(E));
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                             "cudaFuncSetAttribute(flash_forward_kernel)");
       !st)
     return st;
-  const dim3 grid((p.seq_q + Tile::block_m - 1) / Tile::block_m, p.heads, p.batch);
+  int device = 0, multiprocessors = 0;
+  if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
+  if (status st = from_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+                            "cudaDeviceGetAttribute(multiprocessors)");
+      !st)
+    return st;
+  const index_t q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m;
+  p.splits = flash_splits(q_blocks, q_blocks * p.heads * p.batch, (p.seq_kv + Tile::block_n - 1) / Tile::block_n,
+                          multiprocessors);
+  p.o_part = p.lse_part = nullptr;
+  const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
+  if (p.splits > 1) {
+    if (status st = from_cuda(cudaMallocAsync(&p.o_part, sizeof(float) * p.splits * rows * Tile::head_dim, stream),
+                              "cudaMallocAsync(split-KV parts of O)");
+        !st)
+      return st;
+    if (status st = from_cuda(cudaMallocAsync(&p.lse_part, sizeof(float) * p.splits * rows, stream),
+                              "cudaMallocAsync(split-KV parts of lse)");
+        !st) {
+      cudaFreeAsync(p.o_part, stream);
+      return st;
+    }
+  }
+  const dim3 grid(unsigned(q_blocks), p.heads, p.batch * p.splits);
   kernel<<<grid, Tile::threads, smem, stream>>>(p);
-  return last_launch("flash_forward_kernel");
+  if (p.splits == 1) return last_launch("flash_forward_kernel");
+  const status launched = last_launch("flash_forward_kernel");
+  if (launched) flash_merge_kernel<E><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);
+  const status merged = launched ? last_launch("flash_merge_kernel") : launched;
+  cudaFreeAsync(p.o_part, stream);
+  cudaFreeAsync(p.lse_part, stream);
+  return merged;
 }
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
 inline status flash_grid_fits(const problem& p) {
   constexpr index_t max_yz = 65535, max_seq = index_t(1) << 30;  // row + tile arithmetic stays inside int
+  constexpr index_t max_splits = 64;                                // flash_splits' bound: grid.z = batch · splits
   if (p.heads > max_yz) return {errc::unsupported, "problem.heads is " + std::to_string(p.heads) + "; CUDA flash takes at most 65535"};
-  if (p.batch > max_yz) return {errc::unsupported, "problem.batch is " + std::to_string(p.batch) + "; CUDA flash takes at most 65535"};
+  if (p.batch > max_yz / max_splits)
+    return {errc::unsupported, "problem.batch is " + std::to_string(p.batch) + "; CUDA flash takes at most 1023"};
+  if (p.batch * p.heads * p.seq_q > max_seq)
+    return {errc::unsupported, "problem.batch * heads * seq_q exceeds 2^30, the CUDA flash limit"};
   if (p.seq_q > max_seq || p.seq_kv > max_seq)
     return {errc::unsupported, "problem.seq_q/seq_kv exceed 2^30, the CUDA flash limit"};
   return {};
