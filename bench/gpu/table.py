@@ -14,6 +14,8 @@ for path in sys.argv[1:]:
         if not line.strip():
             continue
         r = json.loads(line)
+        if "tflops" not in r:  # decode rows report GB/s; bench.log prints them
+            continue
         key = (r["dtype"], r["b"], r["h"], r["s"], r["d"], r["mask"])
         rows.setdefault(key, {})[r["kernel"]] = r["tflops"]
 
