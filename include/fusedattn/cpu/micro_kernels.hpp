@@ -3,6 +3,8 @@
 /// packed Kᵀ tile, and the rescale-and-accumulate acc = α·acc + P·V. Packing and the softmax are elsewhere.
 #pragma once
 
+#include <type_traits>
+
 #include "../core/types.hpp"
 #include "simd.hpp"
 
@@ -16,6 +18,17 @@
 
 namespace fusedattn {
 namespace cpu {
+
+/// Keeps a loaded vector in a register. Without it GCC re-reads the operand from memory inside every FMA
+/// (one load per FMA instead of one per vector), which makes the micro-kernels load-bound.
+template <class Vec>
+inline void pin_register(Vec& x) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  if constexpr (std::is_class<Vec>::value) asm volatile("" : "+v"(x.data));
+#else
+  (void)x;
+#endif
+}
 
 /// One MR × (NR·W) block of S = Q·Kᵀ.
 ///   q:  MR rows of the (scaled) Q tile, row stride ldq;        shape MR × d
@@ -33,7 +46,10 @@ inline void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, inde
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::broadcast(Acc(0));
   for (index_t c = 0; c < d; ++c) {
     vec k_c[NR];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) k_c[n] = V::load(kt + c * ldk + n * W);
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) {
+      k_c[n] = V::load(kt + c * ldk + n * W);
+      pin_register(k_c[n]);
+    }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec q_rc = V::broadcast(q[r * ldq + c]);
       FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
@@ -73,7 +89,10 @@ inline void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
   }
   for (index_t j = 0; j < keys; ++j) {
     vec v_j[NV];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) v_j[n] = V::load(v + j * ldv + n * W);
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
+      v_j[n] = V::load(v + j * ldv + n * W);
+      pin_register(v_j[n]);
+    }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec p_rj = V::broadcast(p[r * ldp + j]);
       FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::fma(p_rj, v_j[n], o[r][n]);

@@ -99,19 +99,26 @@ struct flash_scratch {
            f.kv_tiles * f.d * f.bkv_pad + kt_slack(cols) + f.kv_tiles * f.bkv * f.dp;
   }
 
+  /// Sizes the buffers for a plan and forgets the cached kv head. Buffers only grow, so a thread's scratch is
+  /// reused across calls without touching fresh pages or zero-filling megabytes each time. Stale contents are
+  /// harmless: padding columns of S are overwritten with −inf, and padding rows/columns of V only reach
+  /// accumulator entries that are never read.
   template <class Arch>
   void allocate(const flash_plan& f) {
     const index_t cols = cpu::kernel_shape<Acc, Arch>::cols;
-    auto sz = [](index_t n) { return static_cast<std::size_t>(n); };
-    q.assign(sz(f.bq_pad * f.d), Acc(0));
-    s.assign(sz(f.bq_pad * f.bkv_pad), Acc(0));
-    acc.assign(sz(f.bq_pad * f.dp), Acc(0));
-    m.assign(sz(f.bq_pad), Acc(0));
-    l.assign(sz(f.bq_pad), Acc(0));
-    alpha.assign(sz(f.bq_pad), Acc(1));
-    kt.assign(sz(f.kv_tiles * f.d * f.bkv_pad + kt_slack(cols)), Acc(0));
-    v.assign(sz(f.kv_tiles * f.bkv * f.dp), Acc(0));
-    packed.assign(sz(f.kv_tiles), 0);
+    auto grow = [](auto& buf, index_t n) {
+      if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
+    };
+    grow(q, f.bq_pad * f.d);
+    grow(s, f.bq_pad * f.bkv_pad);
+    grow(acc, f.bq_pad * f.dp);
+    grow(m, f.bq_pad);
+    grow(l, f.bq_pad);
+    grow(alpha, f.bq_pad);
+    grow(kt, f.kv_tiles * f.d * f.bkv_pad + kt_slack(cols));
+    grow(v, f.kv_tiles * f.bkv * f.dp);
+    grow(packed, f.kv_tiles);
+    cached_b = cached_h = -1;
   }
 };
 
@@ -166,7 +173,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   const index_t qn_pad = round_up(qn, shape::mr);
 
   if (sc.cached_b != b || sc.cached_h != h_kv) {
-    std::fill(sc.packed.begin(), sc.packed.end(), static_cast<unsigned char>(0));
+    std::fill(sc.packed.begin(), sc.packed.begin() + f.kv_tiles, static_cast<unsigned char>(0));
     sc.cached_b = b;
     sc.cached_h = h_kv;
   }
@@ -180,9 +187,9 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   }
   std::fill(sc.q.begin() + qn * f.d, sc.q.begin() + qn_pad * f.d, Acc(0));
   std::fill(sc.acc.begin(), sc.acc.begin() + qn_pad * f.dp, Acc(0));
-  std::fill(sc.m.begin(), sc.m.end(), neg_inf);
-  std::fill(sc.l.begin(), sc.l.end(), Acc(0));
-  std::fill(sc.alpha.begin(), sc.alpha.end(), Acc(1));
+  std::fill(sc.m.begin(), sc.m.begin() + qn_pad, neg_inf);
+  std::fill(sc.l.begin(), sc.l.begin() + qn_pad, Acc(0));
+  std::fill(sc.alpha.begin(), sc.alpha.begin() + qn_pad, Acc(1));
 
   const index_t segments = mask.num_segments(q0, q1);
   for (index_t r = 0; r < segments; ++r) {
@@ -288,68 +295,91 @@ index_t scratch_bytes(const problem& p, const flash_plan& f, index_t threads) {
   return threads * per_thread + partials * index_t(sizeof(Acc));
 }
 
+/// The calling thread's flash scratch (one per OpenMP worker, reused across calls; see flash_scratch::allocate).
+template <class Acc>
+flash_scratch<Acc>& thread_scratch() {
+  static thread_local flash_scratch<Acc> sc;
+  return sc;
+}
+
 /// The tile loop over every (batch, head, q-tile, key chunk), `threads` at a time.
-/// Preconditions: the call was validated; tiles are >= 0; threads >= 1. Reports out_of_memory, with nothing
-/// written, when the scratch cannot be allocated.
+/// Preconditions: the call was validated; tiles are >= 0; threads >= 1. Every thread sizes its scratch before any
+/// output is written; if any allocation fails the call reports out_of_memory with nothing written.
 template <class T, class Arch, class Mask>
 status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                        const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
                        int threads, tile_sizes tiles) {
   using Acc = accum_t<T>;
   flash_plan plan;
-  std::vector<flash_scratch<Acc>> scratch;
   std::vector<Acc> partial;
   const index_t heads_total = p.batch * p.heads;
   index_t items = 0;
   int n_threads = 1;
+  const auto oom = [&] {
+    return status{errc::out_of_memory, "flash: cannot allocate " +
+                                           std::to_string(scratch_bytes<Acc, Arch>(p, plan, n_threads)) +
+                                           " bytes of scratch"};
+  };
   try {
     plan = make_plan<Acc, Arch>(p, mask, tiles);
     items = heads_total * plan.q_tiles() * plan.chunks;
     n_threads = static_cast<int>(std::max<index_t>(1, std::min<index_t>(threads, items)));
-    scratch.resize(static_cast<std::size_t>(n_threads));
-    for (auto& sc : scratch) sc.template allocate<Arch>(plan);
-    if (plan.chunks > 1)
-      partial.resize(static_cast<std::size_t>(items * plan.bq_pad * partial_row(plan)));
+    if (plan.chunks > 1) partial.resize(static_cast<std::size_t>(items * plan.bq_pad * partial_row(plan)));
   } catch (const std::bad_alloc&) {
-    return {errc::out_of_memory, "flash: cannot allocate " + std::to_string(scratch_bytes<Acc, Arch>(p, plan, threads)) +
-                                     " bytes of scratch"};
+    return oom();
   }
   const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial.empty() ? nullptr : partial.data()};
   const index_t q_tiles = plan.q_tiles();
   const index_t part_stride = plan.bq_pad * partial_row(plan);
+  int failed = 0;
 
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(n_threads)
 #endif
   {
+    flash_scratch<Acc>& sc = thread_scratch<Acc>();
+    try {
+      sc.template allocate<Arch>(plan);
+    } catch (const std::bad_alloc&) {
 #if defined(_OPENMP)
-    flash_scratch<Acc>& sc = scratch[static_cast<std::size_t>(omp_get_thread_num())];
-#pragma omp for schedule(dynamic, 1)
-#else
-    flash_scratch<Acc>& sc = scratch[0];
+#pragma omp atomic write
 #endif
-    for (index_t item = 0; item < items; ++item) {
-      // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent (cache reuse).
-      const index_t c = item % plan.chunks;
-      const index_t qt = (item / plan.chunks) % q_tiles;
-      const index_t bh = item / (plan.chunks * q_tiles);
-      const index_t key_lo = c * plan.chunk, key_hi = std::min(p.seq_kv, key_lo + plan.chunk);
-      flash_item<T, Arch, Mask>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
-                                plan.q_start[static_cast<std::size_t>(qt) + 1], key_lo, key_hi,
-                                call.partial ? call.partial + item * part_stride : nullptr);
+      failed = 1;
     }
-    if (call.partial) {
+    int any_failed = 0;
+#if defined(_OPENMP)
+#pragma omp barrier
+#pragma omp atomic read
+#endif
+    any_failed = failed;
+    if (!any_failed) {
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (index_t item = 0; item < items; ++item) {
+        // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent (cache reuse).
+        const index_t c = item % plan.chunks;
+        const index_t qt = (item / plan.chunks) % q_tiles;
+        const index_t bh = item / (plan.chunks * q_tiles);
+        const index_t key_lo = c * plan.chunk, key_hi = std::min(p.seq_kv, key_lo + plan.chunk);
+        flash_item<T, Arch, Mask>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
+                                  plan.q_start[static_cast<std::size_t>(qt) + 1], key_lo, key_hi,
+                                  call.partial ? call.partial + item * part_stride : nullptr);
+      }
+      if (call.partial) {
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
-      for (index_t bq = 0; bq < heads_total * q_tiles; ++bq) {
-        const index_t qt = bq % q_tiles, bh = bq / q_tiles;
-        merge_chunks(call, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
-                     plan.q_start[static_cast<std::size_t>(qt) + 1], call.partial + bq * plan.chunks * part_stride,
-                     sc.acc.data());
+        for (index_t bq = 0; bq < heads_total * q_tiles; ++bq) {
+          const index_t qt = bq % q_tiles, bh = bq / q_tiles;
+          merge_chunks(call, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
+                       plan.q_start[static_cast<std::size_t>(qt) + 1], call.partial + bq * plan.chunks * part_stride,
+                       sc.acc.data());
+        }
       }
     }
   }
+  if (failed) return oom();
   return {};
 }
 
