@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "../config.hpp"
 #include "../core/types.hpp"
 #include "simd.hpp"
 
@@ -60,14 +61,15 @@ inline void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, inde
 }
 
 /// S = Q·Kᵀ for a whole tile: rows [0, rows) (a multiple of MR), key columns [0, cols) (a multiple of NR·W).
-/// Column blocks are the outer loop so one d × (NR·W) slice of Kᵀ stays in L1 while every row block uses it.
+///   kt: packed Kᵀ panels, each d × (NR·W) contiguous (panel_stride = d·NR·W elements apart).
+/// Panels are the outer loop so one contiguous d × (NR·W) panel stays in L1 while every row block uses it.
 template <class Acc, class Arch>
-inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, index_t rows, index_t cols,
-                    Acc* s, index_t lds) {
+inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
+                    index_t lds) {
   using shape = kernel_shape<Acc, Arch>;
   for (index_t j = 0; j < cols; j += shape::cols)
     for (index_t i = 0; i < rows; i += shape::mr)
-      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j, ldk, d, s + i * lds + j, lds);
+      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
 }
 
 /// One MR × (NV·W) block of the output accumulator.
@@ -103,27 +105,32 @@ inline void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
 }
 
 /// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows) (a multiple of MR), keys [0, keys),
-/// accumulator columns [0, dp) (a multiple of the vector width). Column chunks of NR vectors are the outer loop
-/// so one keys × (NR·W) slice of V stays in L1; the last chunk takes the remaining 1 .. NR−1 vectors.
+/// accumulator columns [0, dp) (a multiple of the vector width).
+///   v: packed V chunks at the tile's first key: chunk c (columns [c·NR·W, (c+1)·NR·W)) is keys × (NR·W)
+///      contiguous, chunk_stride elements after chunk c − 1.
+/// Chunks are the outer loop so one contiguous keys × (NR·W) slice of V stays in L1 while every row block uses
+/// it; the last chunk takes the remaining 1 .. NR−1 vectors.
 template <class Acc, class Arch>
-inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, index_t dp,
+inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
   using shape = kernel_shape<Acc, Arch>;
   constexpr index_t W = shape::width;
   constexpr index_t MR = shape::mr;
   constexpr index_t NV = shape::nr;
+  constexpr index_t ldv = NV * W;
   index_t c = 0;
-  for (; c + NV * W <= dp; c += NV * W)
+  for (; c + NV * W <= dp; c += NV * W, v += chunk_stride)
     for (index_t i = 0; i < rows; i += MR)
-      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v + c, ldv, keys, alpha + i, acc + i * lda + c, lda);
+      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda + c, lda);
   const index_t rest = (dp - c) / W;
+  FUSEDATTN_ASSERT(rest < NV);
   for (index_t i = 0; i < rows && rest > 0; i += MR) {
     const Acc* pi = p + i * ldp;
     Acc* ai = acc + i * lda + c;
     switch (rest) {
-      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
-      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
-      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
+      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
+      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
+      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
     }
   }
 }
