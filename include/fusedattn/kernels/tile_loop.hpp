@@ -85,6 +85,23 @@ flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   return f;
 }
 
+/// Sets S entries j in [j0, j1) of query row i to −inf where the mask forbids key kb + j: the generic rule, one
+/// allowed() call per element (used for every mask type without a faster equivalent).
+template <class Acc, class Mask>
+inline void mask_row(const Mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
+  for (index_t j = j0; j < j1; ++j)
+    if (!mask.allowed(i, kb + j)) srow[j] = -std::numeric_limits<Acc>::infinity();
+}
+/// The same for a band mask, whose allowed keys of one row are the single interval row_range(i): two fills.
+template <class Acc>
+inline void mask_row(const band_mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
+  const kv_span r = mask.row_range(i);
+  const index_t lo = std::min(std::max(r.begin - kb, j0), j1);
+  const index_t hi = std::min(std::max(r.end - kb, lo), j1);
+  std::fill(srow + j0, srow + lo, -std::numeric_limits<Acc>::infinity());
+  std::fill(srow + hi, srow + j1, -std::numeric_limits<Acc>::infinity());
+}
+
 /// Per-thread working memory. Sizes are fixed by the plan; nothing grows with seq_q × seq_kv.
 /// The packed K/V cache holds one kv head in the layouts the micro-kernels stream contiguously:
 ///   Kᵀ: panels × [d][cols]   (panel P holds keys [P·cols, (P+1)·cols), transposed)
@@ -229,9 +246,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
         Acc* srow = sc.s.data() + i * f.lds;
         for (index_t j = 0; j < j0; ++j) srow[j] = neg_inf;
         for (index_t j = j1; j < width; ++j) srow[j] = neg_inf;
-        if (partial)
-          for (index_t j = j0; j < j1; ++j)
-            if (!mask.allowed(q0 + i, kb + j)) srow[j] = neg_inf;
+        if (partial) mask_row(mask, q0 + i, kb, j0, j1, srow);
         // P row (1 × width) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
         sc.alpha[static_cast<std::size_t>(i)] = online_softmax_row<Acc, Arch>(
             srow, width, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
