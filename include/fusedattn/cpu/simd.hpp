@@ -1,0 +1,143 @@
+/// @file simd.hpp
+/// The vector operations the CPU micro-kernels use, as one small traits struct per (scalar, arch):
+/// xsimd::batch<Acc, Arch> for every xsimd arch, and plain scalars for `scalar_arch` (the portable reference path).
+/// Not a general SIMD layer: only what the flash kernels need.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include <xsimd/xsimd.hpp>
+
+#include "../core/types.hpp"
+
+namespace fusedattn {
+
+/// The portable scalar "arch": the micro-kernels run on plain scalars. Every SIMD backend is tested against it.
+struct scalar_arch {
+  static constexpr bool supported() noexcept { return true; }
+  static constexpr bool available() noexcept { return true; }
+  static constexpr const char* name() noexcept { return "scalar"; }
+};
+
+namespace cpu {
+
+/// True when `Arch` is an xsimd AVX-512 arch (32 vector registers).
+template <class Arch>
+constexpr bool has_32_registers() {
+#if XSIMD_WITH_AVX512F
+  return std::is_base_of<xsimd::avx512f, Arch>::value;
+#else
+  return false;
+#endif
+}
+
+/// Whether the CPU running this process can execute code compiled for `Arch`.
+template <class Arch>
+bool arch_available() {
+  if constexpr (std::is_same<Arch, scalar_arch>::value) {
+    return true;
+  } else {
+    return Arch::version() <= xsimd::available_architectures().best;
+  }
+}
+
+/// Vector operations on `Acc` (float or double) for one xsimd arch.
+template <class Acc, class Arch>
+struct simd {
+  static_assert(Arch::supported(),
+                "fusedattn: the compiler does not target this xsimd arch; add the matching -m flags (e.g. -mavx512f) "
+                "or pick another arch");
+  using type = xsimd::batch<Acc, Arch>;
+  static constexpr index_t width = static_cast<index_t>(type::size);
+
+  static type load(const Acc* p) { return type::load_unaligned(p); }
+  static void store(Acc* p, const type& x) { x.store_unaligned(p); }
+  static type broadcast(Acc x) { return type(x); }
+  /// a·b + c
+  static type fma(const type& a, const type& b, const type& c) { return xsimd::fma(a, b, c); }
+  static type max(const type& a, const type& b) { return xsimd::max(a, b); }
+  static type mul(const type& a, const type& b) { return a * b; }
+  static type add(const type& a, const type& b) { return a + b; }
+  static type sub(const type& a, const type& b) { return a - b; }
+  /// 2^x for x <= 0 (the softmax only exponentiates t − max), with 2^−inf = 0. See cpu::exp2_nonpositive.
+  static type exp2(const type& x);
+  static Acc reduce_add(const type& x) { return xsimd::hadd(x); }
+  static Acc reduce_max(const type& x) {
+    alignas(64) Acc lanes[type::size];
+    x.store_unaligned(lanes);
+    Acc m = lanes[0];
+    for (std::size_t i = 1; i < type::size; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+  }
+};
+
+/// 2^x for x <= 0 on float vectors, about 2 ulp: x = n + f with n = round(x), f in [−1/2, 1/2];
+/// 2^f by its degree-6 Taylor polynomial in f·ln2 (truncation < 1.3e−7 relative); 2^n built in the exponent bits.
+/// x is clamped at −127 first, where 2^n has a zero exponent field and the result is exactly 0 (so −inf gives 0).
+template <class Arch>
+inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
+  using vec = xsimd::batch<float, Arch>;
+  using ivec = xsimd::batch<std::int32_t, Arch>;
+  constexpr float min_exponent = -127.0f;  // 2^n with n = −127 is encoded as the bit pattern 0, i.e. 0.0f
+  constexpr int exponent_bias = 127, mantissa_bits = 23;
+  // c_k = ln2^k / k!, k = 6 .. 1
+  constexpr float c6 = 1.5403530393381609e-4f, c5 = 1.3333558146428443e-3f, c4 = 9.6181291076284772e-3f,
+                  c3 = 5.5504108664821580e-2f, c2 = 2.4022650695910071e-1f, c1 = 6.9314718055994531e-1f;
+  x = xsimd::max(x, vec(min_exponent));
+  const vec n = xsimd::nearbyint(x);
+  const vec f = x - n;
+  vec p = xsimd::fma(vec(c6), f, vec(c5));
+  p = xsimd::fma(p, f, vec(c4));
+  p = xsimd::fma(p, f, vec(c3));
+  p = xsimd::fma(p, f, vec(c2));
+  p = xsimd::fma(p, f, vec(c1));
+  p = xsimd::fma(p, f, vec(1.0f));
+  const ivec bits = (xsimd::to_int(n) + ivec(exponent_bias)) << mantissa_bits;
+  return p * xsimd::bitwise_cast<vec>(bits);
+}
+
+template <class Acc, class Arch>
+inline typename simd<Acc, Arch>::type simd<Acc, Arch>::exp2(const type& x) {
+  if constexpr (std::is_same<Acc, float>::value) {
+    return exp2_nonpositive<Arch>(x);
+  } else {
+    return xsimd::exp2(x);
+  }
+}
+
+/// The portable scalar path: one lane.
+template <class Acc>
+struct simd<Acc, scalar_arch> {
+  using type = Acc;
+  static constexpr index_t width = 1;
+
+  static type load(const Acc* p) { return *p; }
+  static void store(Acc* p, const type& x) { *p = x; }
+  static type broadcast(Acc x) { return x; }
+  static type fma(const type& a, const type& b, const type& c) { return a * b + c; }
+  static type max(const type& a, const type& b) { return a > b ? a : b; }
+  static type mul(const type& a, const type& b) { return a * b; }
+  static type add(const type& a, const type& b) { return a + b; }
+  static type sub(const type& a, const type& b) { return a - b; }
+  static type exp2(const type& x) { return std::exp2(x); }
+  static Acc reduce_add(const type& x) { return x; }
+  static Acc reduce_max(const type& x) { return x; }
+};
+
+/// Register blocking of the micro-kernels for one arch: `mr` query rows × `nr` vectors of keys (Q·Kᵀ) or of
+/// head_dim columns (P·V) stay in registers. 32-register arches (AVX-512) hold a 4 × 4 block of accumulators,
+/// 16-register arches a 4 × 2 block; the scalar path a 4 × 4 block of scalars.
+template <class Acc, class Arch>
+struct kernel_shape {
+  static constexpr index_t width = simd<Acc, Arch>::width;
+  static constexpr index_t mr = 4;
+  static constexpr index_t nr = (has_32_registers<Arch>() || std::is_same<Arch, scalar_arch>::value) ? 4 : 2;
+  /// Key columns one Q·Kᵀ micro-tile covers; packed K tiles are padded to a multiple of it.
+  static constexpr index_t cols = nr * width;
+};
+
+}  // namespace cpu
+}  // namespace fusedattn
