@@ -125,6 +125,7 @@ void report(const char* dtype, const shape& c, const std::string& kernel, double
               c.causal ? "causal" : "dense", kernel.c_str(), ms, tflops);
 }
 
+#if FUSEDATTN_BENCH_TILE_SWEEP
 /// Σ (a − b)² and Σ b² over n values, accumulated in sums[0], sums[1].
 template <class E>
 __global__ void squared_difference(const E* a, const E* b, fa::index_t n, double* sums) {
@@ -187,6 +188,7 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
   cudaFree(o_tile);
   std::printf("      %s vs default tile: relative difference %.2e%s\n", label, rel, rel < 1e-2 ? "" : "  <-- MISMATCH");
 }
+#endif
 
 template <class T>
 void time_attend(const shape& c, operands<T>& x, fa::policy::cuda_kernel kernel, const char* label) {
@@ -216,6 +218,7 @@ template <class T>
 void flash_suite(const shape& c) {
   operands<T> x(c, sets_for(c, 2));
   time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
+#if FUSEDATTN_BENCH_TILE_SWEEP
   if (c.d == 128) {
     time_tile<T, cb::flash_tile<128, 4, 64>>(c, x, "w4 n64 r16");
     time_tile<T, cb::flash_tile<128, 4, 64, 32>>(c, x, "w4 n64 r32");
@@ -226,6 +229,7 @@ void flash_suite(const shape& c) {
     time_tile<T, cb::flash_tile<64, 4, 64, 32>>(c, x, "w4 n64 r32");
     time_tile<T, cb::flash_tile<64, 4, 128, 32>>(c, x, "w4 n128 r32");
   }
+#endif
 }
 
 template <class T>
