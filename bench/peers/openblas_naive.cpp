@@ -1,0 +1,127 @@
+// Peer "what a user would write with a BLAS": the naive three-pass attention on OpenBLAS's cblas_sgemm, one
+// (batch, head) after the other, with OpenBLAS threads set to the row's thread count. Rows peer_openblas_naive/...
+#include "../peers.hpp"
+
+#if FUSEDATTN_BENCH_WITH_OPENBLAS
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace fusedattn::bench {
+namespace {
+
+/// Passes over S×S through memory: sgemm writes S·scale (1), mask + softmax reads and writes each row (2),
+/// the second sgemm reads P (1).
+constexpr int peer_score_passes = 4;
+/// Largest |peer − naive kernel| accepted on the check before timing (f32, inputs in [-1, 1)).
+constexpr float check_tolerance = 1e-4f;
+
+/// O = softmax(scale · Q·Kᵀ + mask) · V per (batch, head), B·H·S·D contiguous, f32.
+void openblas_naive(const problem& p, const band_mask& mask, const float* q, const float* k, const float* v, float* o,
+                    std::vector<float>& s) {
+  const index_t sq = p.seq_q, skv = p.seq_kv, d = p.head_dim;
+  const float scale = static_cast<float>(p.softmax_scale());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  s.resize(static_cast<std::size_t>(sq * skv));
+  for (index_t b = 0; b < p.batch; ++b)
+    for (index_t h = 0; h < p.heads; ++h) {
+      const float* qh = q + (b * p.heads + h) * sq * d;
+      const float* kh = k + (b * p.heads_kv + p.kv_head(h)) * skv * d;
+      const float* vh = v + (b * p.heads_kv + p.kv_head(h)) * skv * d;
+      float* oh = o + (b * p.heads + h) * sq * d;
+      // S = scale · Q·Kᵀ (s_q × s_kv).
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(sq), static_cast<int>(skv),
+                  static_cast<int>(d), scale, qh, static_cast<int>(d), kh, static_cast<int>(d), 0.0f, s.data(),
+                  static_cast<int>(skv));
+      // P = softmax(S + mask) row by row: m = max, P = exp(S − m), P /= Σ P; a row with no key stays 0.
+      for (index_t i = 0; i < sq; ++i) {
+        float* row = s.data() + i * skv;
+        float m = neg_inf;
+        for (index_t j = 0; j < skv; ++j) {
+          if (!mask.allowed(i, j)) row[j] = neg_inf;
+          m = std::max(m, row[j]);
+        }
+        if (m == neg_inf) {
+          std::fill(row, row + skv, 0.0f);
+          continue;
+        }
+        float l = 0;
+        for (index_t j = 0; j < skv; ++j) l += (row[j] = std::exp(row[j] - m));
+        const float inv_l = 1.0f / l;
+        for (index_t j = 0; j < skv; ++j) row[j] *= inv_l;
+      }
+      // O = P·V (s_q × d).
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(sq), static_cast<int>(d),
+                  static_cast<int>(skv), 1.0f, s.data(), static_cast<int>(skv), vh, static_cast<int>(d), 0.0f, oh,
+                  static_cast<int>(d));
+    }
+}
+
+/// Runs the peer and the naive kernel on one head of the row's sequence lengths and mask; the peer's error.
+float check_one_head(const row_spec& r) {
+  const problem p{1, 1, 1, r.sh.s_q, r.sh.s_kv, r.sh.d};
+  const band_mask mask = std::visit([&](const auto& m) { return bind(m, p); }, to_mask(r.mask));
+  operands<float> x(p, 7);
+  std::vector<float> s, ref(x.o.size());
+  openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);
+  const status st = attend(policy::cpu_naive{1}, p, bhsd<const float>(x.q.data(), p.q_dims()),
+                           bhsd<const float>(x.k.data(), p.kv_dims()), bhsd<const float>(x.v.data(), p.kv_dims()),
+                           bhsd(ref.data(), p.o_dims()), to_mask(r.mask));
+  if (!st) return std::numeric_limits<float>::infinity();
+  float err = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) err = std::max(err, std::abs(ref[i] - x.o[i]));
+  return err;
+}
+
+void openblas_row(benchmark::State& state, row_spec r) {
+  openblas_set_num_threads(r.threads);
+  const float err = check_one_head(r);
+  if (!(err <= check_tolerance)) {
+    state.SkipWithError(("peer_openblas_naive differs from the naive kernel by " + std::to_string(err)).c_str());
+    return;
+  }
+  const problem p = r.sh.to_problem();
+  const band_mask mask = std::visit([&](const auto& m) { return bind(m, p); }, to_mask(r.mask));
+  operands<float> x(p);
+  std::vector<float> s;
+  for (auto _ : state) {
+    openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);
+    benchmark::DoNotOptimize(x.o.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, p, r.threads, 1.0, cost::flops(p), cost::naive_bytes(p, sizeof(float), sizeof(float),
+                                                                             peer_score_passes),
+               cost::compulsory_bytes(p, sizeof(float)));
+  state.SetLabel(row_label(r));
+}
+
+}  // namespace
+
+std::string peer_info() {
+  return std::string("peer_openblas_naive: cblas_sgemm + a plain mask/softmax loop, OpenBLAS core ") +
+         openblas_get_corename() + " (" + openblas_get_config() + ")";
+}
+
+void register_peer_rows(const plan& pl) {
+  benchmark::AddCustomContext("fusedattn_peers", peer_info());
+  for (const row_spec& r : f32_rows(pl))
+    benchmark::RegisterBenchmark(row_name("peer_openblas_naive", r).c_str(), openblas_row, r)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace fusedattn::bench
+
+#else
+
+namespace fusedattn::bench {
+void register_peer_rows(const plan&) {}
+std::string peer_info() { return "no peer compiled in (OpenBLAS not found at configure time)"; }
+}  // namespace fusedattn::bench
+
+#endif

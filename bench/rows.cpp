@@ -1,0 +1,105 @@
+// Row names, labels, counters and the default row sets of fusedattn-bench.
+#include "rows.hpp"
+
+namespace fusedattn::bench {
+
+std::string shape_name(const shape& sh) {
+  std::string n = "b" + std::to_string(sh.b) + "_h" + std::to_string(sh.h);
+  if (sh.h_kv != sh.h) n += "_hkv" + std::to_string(sh.h_kv);
+  if (sh.s_q == sh.s_kv)
+    n += "_s" + std::to_string(sh.s_q);
+  else
+    n += "_sq" + std::to_string(sh.s_q) + "_skv" + std::to_string(sh.s_kv);
+  return n + "_d" + std::to_string(sh.d);
+}
+
+const char* scalar_label(scalar s) { return s == scalar::f32 ? "f32" : "f16"; }
+const char* mask_label(mask_kind m) { return m == mask_kind::dense ? "dense" : "causal"; }
+
+any_mask to_mask(mask_kind m) {
+  if (m == mask_kind::causal) return causal{align::top_left};
+  return dense{};
+}
+
+std::string row_name(const std::string& kernel, const row_spec& r) {
+  return kernel + "/" + scalar_label(r.type) + "/" + mask_label(r.mask) + "/" + shape_name(r.sh) +
+         "/threads:" + std::to_string(r.threads);
+}
+
+std::string row_label(const row_spec& r) { return std::string(scalar_label(r.type)) + " " + mask_label(r.mask); }
+
+std::vector<shape> leaderboard_shapes() {
+  return {square(1, 1, 128, 64),  square(1, 1, 512, 64),  square(1, 1, 1024, 64),   square(1, 1, 2048, 64),
+          square(1, 1, 4096, 64), square(1, 8, 512, 64),  square(1, 12, 512, 64),   square(1, 32, 512, 64),
+          square(1, 32, 1024, 128), square(1, 32, 2048, 128)};
+}
+
+std::vector<shape> assignment_shapes() { return {square(1, 8, 128, 64), square(1, 8, 512, 64), square(1, 8, 1024, 64)}; }
+
+namespace {
+/// The thread counts of a row set: all threads, and also 1 in the full set (once when the machine has 1 core).
+std::vector<int> thread_counts(int max_threads, bool with_one) {
+  std::vector<int> t;
+  if (with_one && max_threads > 1) t.push_back(1);
+  t.push_back(max_threads);
+  return t;
+}
+}  // namespace
+
+std::vector<row_spec> kernel_rows(const plan& pl) {
+  std::vector<row_spec> rows;
+  const std::vector<mask_kind> lb_masks =
+      pl.full ? std::vector<mask_kind>{mask_kind::dense, mask_kind::causal} : std::vector<mask_kind>{mask_kind::dense};
+  for (scalar t : {scalar::f32, scalar::f16})
+    for (mask_kind m : lb_masks)
+      for (int th : thread_counts(pl.max_threads, pl.full))
+        for (const shape& sh : leaderboard_shapes()) rows.push_back({sh, t, m, th});
+  const std::vector<scalar> as_types =
+      pl.full ? std::vector<scalar>{scalar::f32, scalar::f16} : std::vector<scalar>{scalar::f32};
+  const std::vector<int> as_threads = pl.full ? thread_counts(pl.max_threads, true) : std::vector<int>{1};
+  for (scalar t : as_types)
+    for (mask_kind m : {mask_kind::dense, mask_kind::causal})
+      for (int th : as_threads)
+        for (const shape& sh : assignment_shapes()) rows.push_back({sh, t, m, th});
+  return rows;
+}
+
+std::vector<row_spec> f32_rows(const plan& pl) {
+  std::vector<row_spec> rows;
+  for (const row_spec& r : kernel_rows(pl))
+    if (r.type == scalar::f32) rows.push_back(r);
+  return rows;
+}
+
+void set_counters(benchmark::State& state, const problem& p, int threads, double density, double flop, double bytes,
+                  double bytes_min) {
+  auto& c = state.counters;
+  c["b"] = static_cast<double>(p.batch);
+  c["h"] = static_cast<double>(p.heads);
+  c["h_kv"] = static_cast<double>(p.heads_kv);
+  c["s_q"] = static_cast<double>(p.seq_q);
+  c["s_kv"] = static_cast<double>(p.seq_kv);
+  c["d"] = static_cast<double>(p.head_dim);
+  c["threads"] = static_cast<double>(threads);
+  c["density"] = density;
+  c["flop"] = flop;
+  c["bytes"] = bytes;
+  c["bytes_min"] = bytes_min;
+  c["FLOP/s"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
+  c["B/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void fill_uniform(float* x, std::size_t n, std::uint64_t seed) {
+  // splitmix64: fast, and good enough for bench inputs; the top 24 bits give a float in [0, 1).
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  constexpr float inv_2_24 = 1.0f / 16777216.0f;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x[i] = 2.0f * static_cast<float>(z >> 40) * inv_2_24 - 1.0f;
+  }
+}
+
+}  // namespace fusedattn::bench
