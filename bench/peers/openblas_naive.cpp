@@ -1,10 +1,13 @@
 // Peer "what a user would write with a BLAS": the naive three-pass attention on OpenBLAS's cblas_sgemm, one
-// (batch, head) after the other, with OpenBLAS threads set to the row's thread count. Rows peer_openblas_naive/...
+// (batch, head) after the other, with OpenBLAS threads set to the row's thread count and the softmax a plain
+// single-threaded row loop (vectorised exp through Eigen arrays). Rows peer_openblas_naive/...
 #include "../peers.hpp"
 
 #if FUSEDATTN_BENCH_WITH_OPENBLAS
 
 #include <cblas.h>
+
+#include <Eigen/Core>
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +29,6 @@ void openblas_naive(const problem& p, const band_mask& mask, const float* q, con
                     std::vector<float>& s) {
   const index_t sq = p.seq_q, skv = p.seq_kv, d = p.head_dim;
   const float scale = static_cast<float>(p.softmax_scale());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   s.resize(static_cast<std::size_t>(sq * skv));
   for (index_t b = 0; b < p.batch; ++b)
     for (index_t h = 0; h < p.heads; ++h) {
@@ -38,22 +40,18 @@ void openblas_naive(const problem& p, const band_mask& mask, const float* q, con
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(sq), static_cast<int>(skv),
                   static_cast<int>(d), scale, qh, static_cast<int>(d), kh, static_cast<int>(d), 0.0f, s.data(),
                   static_cast<int>(skv));
-      // P = softmax(S + mask) row by row: m = max, P = exp(S − m), P /= Σ P; a row with no key stays 0.
+      // P = softmax(S + mask) row by row over the keys the row may see: m = max, P = exp(S − m), P /= Σ P;
+      // keys outside the row's band get P = 0 (a row with no key stays 0). Eigen arrays vectorise the exp.
       for (index_t i = 0; i < sq; ++i) {
         float* row = s.data() + i * skv;
-        float m = neg_inf;
-        for (index_t j = 0; j < skv; ++j) {
-          if (!mask.allowed(i, j)) row[j] = neg_inf;
-          m = std::max(m, row[j]);
-        }
-        if (m == neg_inf) {
-          std::fill(row, row + skv, 0.0f);
-          continue;
-        }
-        float l = 0;
-        for (index_t j = 0; j < skv; ++j) l += (row[j] = std::exp(row[j] - m));
-        const float inv_l = 1.0f / l;
-        for (index_t j = 0; j < skv; ++j) row[j] *= inv_l;
+        const kv_span keys = mask.row_range(i);
+        std::fill(row, row + std::max<index_t>(keys.begin, 0), 0.0f);
+        std::fill(row + std::max(keys.begin, std::min(keys.end, skv)), row + skv, 0.0f);
+        if (keys.empty()) continue;
+        Eigen::Map<Eigen::ArrayXf> x(row + keys.begin, keys.end - keys.begin);
+        const float m = x.maxCoeff();
+        x = (x - m).exp();
+        x *= 1.0f / x.sum();
       }
       // O = P·V (s_q × d).
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(sq), static_cast<int>(d),
