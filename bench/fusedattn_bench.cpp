@@ -7,9 +7,13 @@
 //   --full          every kernel x {f32, f16} x {dense, causal} x {1, all threads} on all shapes
 //   --no-ceilings   skip measuring the roofs (the roofline table then shows no roof)
 //   --triad_mib=N   size of each of the triad's three arrays in MiB (default 256)
+//   --os-memory     let freed memory go back to the OS (glibc's default): see keep_freed_memory()
 // Google Benchmark's flags work as usual (--benchmark_filter, --benchmark_format=json, --benchmark_out=FILE, ...).
 // The ceilings and tables go to stdout with the console format, to stderr otherwise (stdout then holds the JSON).
 #include <cstdlib>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -38,6 +42,7 @@ constexpr std::size_t default_triad_mib = 256;
 struct options {
   bool full = false;
   bool ceilings = true;
+  bool keep_memory = true;
   std::size_t triad_mib = default_triad_mib;
   bool console = true;        ///< the display format is the console table
   bool list_only = false;     ///< --benchmark_list_tests
@@ -56,6 +61,8 @@ options parse(int& argc, char** argv) {
       o.full = true;
     } else if (std::strcmp(a, "--quick") == 0) {
       o.full = false;
+    } else if (std::strcmp(a, "--os-memory") == 0) {
+      o.keep_memory = false;
     } else if (std::strcmp(a, "--no-ceilings") == 0) {
       o.ceilings = false;
     } else if (starts_with(a, "--triad_mib=")) {
@@ -69,6 +76,20 @@ options parse(int& argc, char** argv) {
   }
   argc = out;
   return o;
+}
+
+/// Keeps freed heap memory in the process (glibc: no mmap for large blocks, no trimming), so that a kernel that
+/// allocates scratch per call (the naive S×S matrix) touches fresh pages only on its first call. Where the first
+/// touch of a page is expensive (about 30 µs per 4 KiB page in the sandboxed VM this bench was written on, i.e.
+/// 0.5 s for a 64 MiB S×S matrix) the rows would otherwise time the page faults, not the kernel.
+/// Returns whether the setting took.
+bool keep_freed_memory() {
+#if defined(__GLIBC__)
+  constexpr int never_trim = 0x7fffffff;
+  return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, never_trim) == 1;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -97,6 +118,12 @@ int main(int argc, char** argv) {
     roofs = fb::measure_ceilings(counts, opt.triad_mib << 20);
     fb::print_ceilings(tables, roofs);
     tables << "Peers: " << fb::peer_info() << "\n" << std::flush;
+  }
+  // After the triad, whose arrays go back to the OS.
+  if (opt.keep_memory && !opt.list_only) {
+    const bool kept = keep_freed_memory();
+    benchmark::AddCustomContext("fusedattn_heap", kept ? "freed memory kept in the process" : "allocator default");
+    if (kept) tables << "Heap: freed memory stays in the process (--os-memory: allocator default)\n" << std::flush;
   }
 
   // The display reporter --benchmark_format asks for (owned by the library), wrapped to keep the runs.
