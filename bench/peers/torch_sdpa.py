@@ -145,7 +145,7 @@ def run_one(kernel, attend, shape, dtype, mask, threads, device, args, index, de
     causal = mask == "causal"
     try:
         out = attend(q, k, v, causal)
-    except RuntimeError as e:  # the backend does not take this dtype / shape / GPU
+    except Exception as e:  # noqa: BLE001  the backend does not take this dtype / shape / GPU, or cannot compile
         print("torch_sdpa: %s skipped: %s" % (name, str(e).splitlines()[0]), file=sys.stderr)
         return None
     err = float((out[0, 0].to("cpu", torch.float64) - reference_head(q, k, v, causal)).abs().max())
@@ -199,6 +199,23 @@ def main():
     args = ap.parse_args()
 
     benchmarks, index = [], 0
+    context = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host_name": socket.gethostname(), "executable": "bench/peers/torch_sdpa.py",
+               "num_cpus": os.cpu_count(), "library_build_type": "release",
+               "fusedattn_peers": "torch %s, %s%s" % (
+                   torch.__version__, platform.processor() or platform.machine(),
+                   (", " + torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "")}
+
+    def add(row):
+        """Keeps a row and rewrites the file, so an interrupted run keeps what it measured."""
+        nonlocal index
+        if row is None:
+            return
+        benchmarks.append(row)
+        index += 1
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"context": context, "benchmarks": benchmarks}, f, indent=2)
+
     want_cpu = args.device in ("cpu", "all")
     want_cuda = args.device == "cuda" or (args.device == "all" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -212,10 +229,7 @@ def main():
             for shape, dtype, mask, threads in row_set(args.full, args.threads, types_lb, types_as):
                 torch.set_num_threads(threads)
                 density = allowed_fraction(mask, shape[2], shape[2])
-                row = run_one("peer_torch_sdpa_cpu", attend, shape, dtype, mask, threads, "cpu", args, index, density)
-                if row:
-                    benchmarks.append(row)
-                    index += 1
+                add(run_one("peer_torch_sdpa_cpu", attend, shape, dtype, mask, threads, "cpu", args, index, density))
 
     if want_cuda:
         from torch.nn.attention import SDPBackend
@@ -234,17 +248,8 @@ def main():
                 for shape, dtype, mask, _ in row_set(args.full, 1, types, types):
                     # The math backend materialises every score; the fused ones skip fully masked tiles.
                     density = 1.0 if kernel == "peer_torch_math" else allowed_fraction(mask, shape[2], shape[2])
-                    row = run_one(kernel, attend, shape, dtype, mask, 1, "cuda", args, index, density)
-                    if row:
-                        benchmarks.append(row)
-                        index += 1
+                    add(run_one(kernel, attend, shape, dtype, mask, 1, "cuda", args, index, density))
 
-    context = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "host_name": socket.gethostname(), "executable": "bench/peers/torch_sdpa.py",
-               "num_cpus": os.cpu_count(), "library_build_type": "release",
-               "fusedattn_peers": "torch %s, %s%s" % (
-                   torch.__version__, platform.processor() or platform.machine(),
-                   (", " + torch.cuda.get_device_name(0)) if want_cuda else "")}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"context": context, "benchmarks": benchmarks}, f, indent=2)
     print("torch_sdpa: wrote %d rows to %s" % (len(benchmarks), args.out), file=sys.stderr)
