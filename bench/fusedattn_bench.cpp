@@ -5,6 +5,7 @@
 //
 //   --quick         the default set (README command 1, a few minutes on 2 cores)
 //   --full          every kernel x {f32, f16} x {dense, causal} x {1, all threads} on all shapes
+// Kernels: naive (policy::cpu_naive), flash (policy::cpu<> on the compiler's best xsimd arch), and the peers.
 //   --no-ceilings   skip measuring the roofs (the roofline table then shows no roof)
 //   --triad_mib=N   size of each of the triad's three arrays in MiB (default 256)
 //   --os-memory     let freed memory go back to the OS (glibc's default): see keep_freed_memory()
@@ -107,8 +108,12 @@ int main(int argc, char** argv) {
 
   const int max_threads = fa::default_threads();
   const fb::plan pl{opt.full, max_threads};
-  fb::register_kernel_rows<fa::policy::cpu_naive>(fb::kernel_rows(pl));
-  fb::register_peer_rows(pl);
+  for (const fb::row_spec& r : fb::kernel_rows(pl)) {
+    fb::register_row<fa::policy::cpu_naive>(r);
+    fb::register_row<fa::policy::cpu<>>(r);
+    fb::register_peer_rows(r);
+  }
+  benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());
 
   std::ostream& tables = opt.console ? std::cout : std::cerr;
   fb::ceilings roofs;
@@ -131,7 +136,7 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&collector);
   if (!opt.list_only) {
     fb::print_roofline(tables, collector.runs(), roofs);
-    fb::print_memory_table(tables, collector.runs(), fa::cost::tile_shape{});
+    fb::print_memory_table(tables, collector.runs());
   }
   benchmark::Shutdown();
   return 0;

@@ -9,8 +9,8 @@
 
 namespace fusedattn::bench {
 
-/// Registers the peer rows of a plan (f32 only); registers nothing when the bench was built without OpenBLAS.
-void register_peer_rows(const plan& pl);
+/// Registers the peer rows of one row spec (f32 only); registers nothing for f16 or without OpenBLAS.
+void register_peer_rows(const row_spec& r);
 
 /// One line naming the peers compiled in and how they are configured (OpenBLAS's core type and build), or saying
 /// that there are none. Also recorded in the JSON context as `fusedattn_peers`.

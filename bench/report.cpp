@@ -175,7 +175,7 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
   os << std::flush;
 }
 
-void print_memory_table(std::ostream& os, const std::vector<run>& runs, cost::tile_shape tile) {
+void print_memory_table(std::ostream& os, const std::vector<run>& runs) {
   // Distinct shapes of the rows run (the accumulation type is f32 for both f32 and f16 rows), then the
   // assignment's table (8 heads, D = 64, S = 128 … 2048).
   using key = std::tuple<index_t, index_t, index_t, index_t, index_t, index_t>;
@@ -195,22 +195,28 @@ void print_memory_table(std::ostream& os, const std::vector<run>& runs, cost::ti
            std::make_tuple(std::get<1>(b), std::get<5>(b), std::get<3>(b));
   });
   char line[256];
-  os << "\nMemory (f32 accumulation; naive = the S x S scores a batched three-pass pipeline materialises; flash = "
-        "one thread's\n        tiles, "
-     << tile.q << " x " << tile.kv << ": Q tile, O accumulator, K and V tiles, score tile, running max and sum)\n";
-  std::snprintf(line, sizeof line, "%-34s %14s %14s %14s %10s\n", "shape", "naive/head", "naive total", "flash",
-                "naive/flash");
+  os << "\nMemory (f32 accumulation). naive: the S x S scores a batched three-pass pipeline materialises, per head and\n"
+        "  in all; flash tiles: the model's live tiles of one thread (Q, O accumulator, K, V, scores, max and sum) at\n"
+        "  the flash kernel's tile sizes; flash scratch: what the flash kernel allocates for one thread (its tiles\n"
+        "  plus a packed K/V copy of one kv head, flash_scratch_bytes); ratio = naive in all / flash scratch\n";
+  std::snprintf(line, sizeof line, "%-30s %12s %12s %8s %13s %14s %9s\n", "shape", "naive/head", "naive all",
+                "tiles", "flash tiles", "flash scratch", "ratio");
   os << line;
   for (const key& k : shapes) {
     const problem p{std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k), std::get<4>(k), std::get<5>(k)};
-    const cost::memory_row m = cost::memory(p, sizeof(float), tile);
+    const tile_sizes t = cpu::choose_tiles({}, p.head_dim, p.seq_q, p.seq_kv);
+    const cost::memory_row m = cost::memory(p, sizeof(float), {t.q, t.kv});
+    const double scratch = static_cast<double>(kernels::flash_scratch_bytes<float>(p, bind(dense{}, p), {}, 1));
     const std::string name = "S = " + std::to_string(p.seq_q) +
                              (p.seq_kv != p.seq_q ? "x" + std::to_string(p.seq_kv) : std::string()) + ", " +
                              std::to_string(p.batch * p.heads) +
                              (p.batch * p.heads == 1 ? " head, D = " : " heads, D = ") + std::to_string(p.head_dim);
-    std::snprintf(line, sizeof line, "%-34s %14s %14s %14s %9.0fx\n", name.c_str(),
-                  size_text(m.naive_per_head).c_str(), size_text(m.naive_total).c_str(),
-                  size_text(m.flash_total).c_str(), m.reduction());
+    const std::string tiles = std::to_string(t.q) + "x" + std::to_string(t.kv);
+    const double ratio = m.naive_total / scratch;
+    std::snprintf(line, sizeof line, "%-30s %12s %12s %8s %13s %14s %8sx\n", name.c_str(),
+                  size_text(m.naive_per_head).c_str(), size_text(m.naive_total).c_str(), tiles.c_str(),
+                  size_text(m.flash_total).c_str(), size_text(scratch).c_str(),
+                  fmt(ratio < 10 ? "%.1f" : "%.0f", ratio).c_str());
     os << line;
   }
   os << std::flush;

@@ -51,8 +51,8 @@ void print_ceilings(std::ostream& os, const ceilings& c);
 void print_roofline(std::ostream& os, const std::vector<benchmark::BenchmarkReporter::Run>& runs, const ceilings& c);
 
 /// Prints the memory table for the shapes of the rows run plus the assignment's (S = 128 … 2048, 8 heads, D = 64):
-/// naive S×S bytes per head and for every head against the flash working set of one thread, and the ratio.
-void print_memory_table(std::ostream& os, const std::vector<benchmark::BenchmarkReporter::Run>& runs,
-                        cost::tile_shape tile);
+/// naive S×S bytes per head and for every head, against the flash working set of one thread (the tile model at
+/// the flash kernel's tile sizes, and the scratch the kernel really allocates), and the ratio.
+void print_memory_table(std::ostream& os, const std::vector<benchmark::BenchmarkReporter::Run>& runs);
 
 }  // namespace fusedattn::bench

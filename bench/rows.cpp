@@ -37,37 +37,33 @@ std::vector<shape> leaderboard_shapes() {
 std::vector<shape> assignment_shapes() { return {square(1, 8, 128, 64), square(1, 8, 512, 64), square(1, 8, 1024, 64)}; }
 
 namespace {
-/// The thread counts of a row set: all threads, and also 1 in the full set (once when the machine has 1 core).
-std::vector<int> thread_counts(int max_threads, bool with_one) {
-  std::vector<int> t;
-  if (with_one && max_threads > 1) t.push_back(1);
-  t.push_back(max_threads);
-  return t;
+/// 1 and all threads (once when the machine has one core).
+std::vector<int> one_and_all(int max_threads) {
+  return max_threads > 1 ? std::vector<int>{1, max_threads} : std::vector<int>{1};
 }
 }  // namespace
 
 std::vector<row_spec> kernel_rows(const plan& pl) {
   std::vector<row_spec> rows;
-  const std::vector<mask_kind> lb_masks =
-      pl.full ? std::vector<mask_kind>{mask_kind::dense, mask_kind::causal} : std::vector<mask_kind>{mask_kind::dense};
-  for (scalar t : {scalar::f32, scalar::f16})
-    for (mask_kind m : lb_masks)
-      for (int th : thread_counts(pl.max_threads, pl.full))
-        for (const shape& sh : leaderboard_shapes()) rows.push_back({sh, t, m, th});
-  const std::vector<scalar> as_types =
-      pl.full ? std::vector<scalar>{scalar::f32, scalar::f16} : std::vector<scalar>{scalar::f32};
-  const std::vector<int> as_threads = pl.full ? thread_counts(pl.max_threads, true) : std::vector<int>{1};
-  for (scalar t : as_types)
-    for (mask_kind m : {mask_kind::dense, mask_kind::causal})
-      for (int th : as_threads)
-        for (const shape& sh : assignment_shapes()) rows.push_back({sh, t, m, th});
-  return rows;
-}
-
-std::vector<row_spec> f32_rows(const plan& pl) {
-  std::vector<row_spec> rows;
-  for (const row_spec& r : kernel_rows(pl))
-    if (r.type == scalar::f32) rows.push_back(r);
+  const std::vector<int> both = one_and_all(pl.max_threads);
+  for (const shape& sh : leaderboard_shapes()) {
+    if (pl.full) {
+      for (scalar t : {scalar::f32, scalar::f16})
+        for (mask_kind m : {mask_kind::dense, mask_kind::causal})
+          for (int th : both) rows.push_back({sh, t, m, th});
+    } else {
+      for (int th : both) rows.push_back({sh, scalar::f32, mask_kind::dense, th});
+      rows.push_back({sh, scalar::f16, mask_kind::dense, pl.max_threads});
+    }
+  }
+  for (const shape& sh : assignment_shapes()) {
+    const std::vector<scalar> types =
+        pl.full ? std::vector<scalar>{scalar::f32, scalar::f16} : std::vector<scalar>{scalar::f32};
+    const std::vector<int> threads = pl.full ? both : std::vector<int>{1};
+    for (scalar t : types)
+      for (mask_kind m : {mask_kind::dense, mask_kind::causal})
+        for (int th : threads) rows.push_back({sh, t, m, th});
+  }
   return rows;
 }
 

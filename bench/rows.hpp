@@ -59,11 +59,10 @@ struct plan {
   int max_threads = 1;
 };
 
-/// Rows of an own kernel: the leaderboard in f32 and f16 (dense, all threads; full: also causal and 1 thread) and
-/// the assignment shapes in f32, dense and causal, 1 thread (full: also f16 and all threads).
+/// The rows every kernel runs, shape-major so that the kernels of one problem run next to each other.
+/// Quick: the leaderboard dense in f32 (1 and all threads) and f16 (all threads), the assignment shapes in f32,
+/// dense and causal, 1 thread. Full: leaderboard and assignment × {f32, f16} × {dense, causal} × {1, all threads}.
 std::vector<row_spec> kernel_rows(const plan& pl);
-/// Rows of an f32-only peer: the f32 subset of kernel_rows.
-std::vector<row_spec> f32_rows(const plan& pl);
 
 /// Sets the counters of a row: b h h_kv s_q s_kv d threads density flop bytes bytes_min, and the rates FLOP/s and
 /// B/s (modelled bytes over real time).
@@ -110,6 +109,24 @@ struct kernel_model<policy::cpu_naive> {
   }
 };
 
+/// The flash kernel computes the allowed score entries only (whole tiles on the mask's edges are ignored) and
+/// re-reads its packed K/V copy (accumulation type) once per q-tile; the q-tile is the kernel's own heuristic.
+template <class Arch>
+struct kernel_model<policy::cpu<Arch>> {
+  static constexpr const char* name = "flash";
+  static policy::cpu<Arch> make(int threads) {
+    policy::cpu<Arch> pol;
+    pol.threads = threads;
+    return pol;
+  }
+  static double density(const band_mask& m, const problem& p) { return cost::density(m, p); }
+  template <class T>
+  static double bytes(const problem& p, const band_mask& m) {
+    const index_t q_tile = cpu::choose_tiles({}, p.head_dim, p.seq_q, p.seq_kv).q;
+    return cost::flash_bytes(p, m, sizeof(T), q_tile, sizeof(accum_t<T>));
+  }
+};
+
 /// The row body: times `attend(Policy, ...)` on one problem and mask, real time, and sets the counters.
 template <class Policy, class T>
 void attention_row(benchmark::State& state, row_spec r) {
@@ -137,16 +154,14 @@ void attention_row(benchmark::State& state, row_spec r) {
   state.SetLabel(row_label(r));
 }
 
-/// Registers `rows` for a policy's kernel (f32 rows as float, f16 rows as Eigen::half), real time, microseconds.
+/// Registers one row of a policy's kernel (an f32 row as float, an f16 row as Eigen::half), real time, microseconds.
 template <class Policy>
-void register_kernel_rows(const std::vector<row_spec>& rows) {
-  for (const row_spec& r : rows) {
-    const std::string name = row_name(kernel_model<Policy>::name, r);
-    benchmark::internal::Benchmark* b =
-        r.type == scalar::f32 ? benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, float>, r)
-                              : benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::half>, r);
-    b->UseRealTime()->Unit(benchmark::kMicrosecond);
-  }
+void register_row(const row_spec& r) {
+  const std::string name = row_name(kernel_model<Policy>::name, r);
+  benchmark::internal::Benchmark* b =
+      r.type == scalar::f32 ? benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, float>, r)
+                            : benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::half>, r);
+  b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace fusedattn::bench

@@ -86,6 +86,8 @@ TEST_CASE("cost: compulsory, naive and flash bytes", "[cost]") {
   CHECK(cost::flash_bytes(p, dense_m, 4, 64) == 4.0 * (2 * 8 * 512 * 64 + 2 * 8 * 64 * 512.0 * 8));
   CHECK(cost::flash_bytes(p, dense_m, 4, 100) == 4.0 * (2 * 8 * 512 * 64 + 2 * 8 * 64 * 512.0 * 6));
   CHECK(cost::flash_bytes(p, dense_m, 4, 512) == cost::compulsory_bytes(p, 4));
+  // f16 storage re-read as a packed f32 copy: Q and O at 2 bytes, the K/V re-reads at 4.
+  CHECK(cost::flash_bytes(p, dense_m, 2, 64, 4) == 2.0 * 2 * 8 * 512 * 64 + 4.0 * 2 * 8 * 64 * 512.0 * 8);
 }
 
 TEST_CASE("cost: key rows visited per q-block match a brute-force span", "[cost]") {

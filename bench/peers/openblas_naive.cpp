@@ -105,12 +105,11 @@ std::string peer_info() {
          openblas_get_corename() + " (" + openblas_get_config() + ")";
 }
 
-void register_peer_rows(const plan& pl) {
-  benchmark::AddCustomContext("fusedattn_peers", peer_info());
-  for (const row_spec& r : f32_rows(pl))
-    benchmark::RegisterBenchmark(row_name("peer_openblas_naive", r).c_str(), openblas_row, r)
-        ->UseRealTime()
-        ->Unit(benchmark::kMicrosecond);
+void register_peer_rows(const row_spec& r) {
+  if (r.type != scalar::f32) return;
+  benchmark::RegisterBenchmark(row_name("peer_openblas_naive", r).c_str(), openblas_row, r)
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace fusedattn::bench
@@ -118,7 +117,7 @@ void register_peer_rows(const plan& pl) {
 #else
 
 namespace fusedattn::bench {
-void register_peer_rows(const plan&) {}
+void register_peer_rows(const row_spec&) {}
 std::string peer_info() { return "no peer compiled in (OpenBLAS not found at configure time)"; }
 }  // namespace fusedattn::bench
 

@@ -112,13 +112,17 @@ double kv_rows_visited(const Bound& m, const problem& p, index_t block_q) {
 
 /// Modelled memory traffic of a flash (online-softmax) schedule: Q read once, O written once, and the K and V
 /// rows each q-block visits re-read once per q-block, per query head:
-///   e · (2 · b·h·s_q·d + 2 · b·h·d · kv_rows_visited(mask, block_q)).
+///   e · 2 · b·h·s_q·d  +  e_kv · 2 · b·h·d · kv_rows_visited(mask, block_q).
 /// The scores never leave the cache. For a dense mask this is e · (2·b·h·s_q·d + 2·b·h·s_kv·d·ceil(s_q/block_q)).
+/// @param kv_elem_bytes bytes per K/V element as the kernel re-reads them (0: elem_bytes); a kernel that packs
+///        K and V once into its accumulation type and streams the packed copy re-reads sizeof(accum_t<T>).
 template <class Bound>
-double flash_bytes(const problem& p, const Bound& m, std::size_t elem_bytes, index_t block_q) {
+double flash_bytes(const problem& p, const Bound& m, std::size_t elem_bytes, index_t block_q,
+                   std::size_t kv_elem_bytes = 0) {
+  const double e_kv = static_cast<double>(kv_elem_bytes > 0 ? kv_elem_bytes : elem_bytes);
   const double kv_reads = 2.0 * static_cast<double>(p.batch) * static_cast<double>(p.heads) *
                           static_cast<double>(p.head_dim) * kv_rows_visited(m, p, block_q);
-  return static_cast<double>(elem_bytes) * (2.0 * q_elements(p) + kv_reads);
+  return static_cast<double>(elem_bytes) * 2.0 * q_elements(p) + e_kv * kv_reads;
 }
 
 /// Bytes one thread of a flash schedule keeps live, in the accumulation type: the Q tile and the O accumulator
