@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draws the bench pictures from fusedattn-bench JSON (Python 3 + matplotlib).
 
-    python3 bench/plot.py RESULTS.json [MORE.json ...] [--out DIR]
+    python3 bench/plot.py RESULTS.json [MORE.json ...] [--out DIR] [--filter REGEX]
 
 roofline.png: the two roofs (memory: AI x bandwidth, compute: the FMA peak) for each thread count measured at the
 start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s).
@@ -47,8 +47,10 @@ def plot_roofline(rows, roofs, path, title):
         return
     fig, ax = plt.subplots(figsize=(11, 7.5))
     ai = [r["flop"] / r["bytes"] for r in points]
-    x_lo = min(ai + [peak / bw for peak, bw in roofs.values()]) / 2
-    x_hi = max(ai + [peak / bw for peak, bw in roofs.values()]) * 2
+    used = {int(r.get("threads", 1)) for r in points}
+    roofs = {t: roof for t, roof in roofs.items() if t in used}
+    x_lo = min(ai + [peak / bw for peak, bw in roofs.values()]) / 3
+    x_hi = max(ai + [peak / bw for peak, bw in roofs.values()]) * 3
     styles = ["-", "--", ":", "-."]
     for i, (threads, (peak, bw)) in enumerate(sorted(roofs.items())):
         ridge = peak / bw
@@ -145,6 +147,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="fusedattn-bench JSON files (--benchmark_out=FILE)")
     ap.add_argument("--out", default=".", help="directory for roofline.png and sparsity.png (default: .)")
+    ap.add_argument("--filter", default="", help="roofline: keep only the rows whose name matches (re.search)")
     args = ap.parse_args()
     rows, roofs, context = [], {}, {}
     for path in args.json:
@@ -155,7 +158,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     where = "%s, %s CPUs, %s" % (context.get("host_name", "?"), context.get("num_cpus", "?"),
                                  context.get("date", "?")[:10])
-    plot_roofline(rows, roofs, os.path.join(args.out, "roofline.png"), "fusedattn roofline (%s)" % where)
+    picked = [r for r in rows if re.search(args.filter, r["name"])]
+    plot_roofline(picked, roofs, os.path.join(args.out, "roofline.png"), "fusedattn roofline (%s)" % where)
     plot_sparsity(rows, os.path.join(args.out, "sparsity.png"), "block-sparse speedup vs sparsity (%s)" % where)
 
 

@@ -87,6 +87,7 @@ void openblas_row(benchmark::State& state, row_spec r) {
   const band_mask mask = std::visit([&](const auto& m) { return bind(m, p); }, to_mask(r.mask));
   operands<float> x(p);
   std::vector<float> s;
+  openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);  // untimed warm-up call
   for (auto _ : state) {
     openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);
     benchmark::DoNotOptimize(x.o.data());
