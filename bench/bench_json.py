@@ -2,7 +2,8 @@
 
 Shared by bench/plot.py and bench/compare.py. A row is one benchmark: when repetitions were aggregated, its median;
 otherwise its median iteration run. Each row is a dict with the counters, plus `name` (without "/real_time"),
-`kernel` (the name's first component), `dtype` and `mask` (from the label "f16 causal") and `seconds` (per call).
+`kernel` (the name's first component), `dtype` and `mask` (from the label "f16 causal"), `seconds` (wall time per
+call) and `cpu_seconds` (the timing thread's CPU time per call).
 """
 
 import json
@@ -16,14 +17,15 @@ def load(path):
     """Returns (context dict, list of rows) of one JSON file."""
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    iterations, medians, order = {}, {}, []
+    iterations, medians, order, seen = {}, {}, [], set()
     for b in doc.get("benchmarks", []):
         if b.get("error_occurred"):
             continue
         name = b.get("run_name", b["name"])
         if name.endswith(REAL_TIME_SUFFIX):
             name = name[: -len(REAL_TIME_SUFFIX)]
-        if name not in iterations and name not in medians:
+        if name not in seen:
+            seen.add(name)
             order.append(name)
         if b.get("run_type") == "aggregate":
             if b.get("aggregate_name") == "median":
@@ -46,6 +48,7 @@ def load(path):
         row["dtype"] = label[0] if label else "?"
         row["mask"] = label[1] if len(label) > 1 else "dense"
         row["seconds"] = b["real_time"] * TIME_UNIT_SECONDS[b.get("time_unit", "ns")]
+        row["cpu_seconds"] = b.get("cpu_time", b["real_time"]) * TIME_UNIT_SECONDS[b.get("time_unit", "ns")]
         rows.append(row)
     return doc.get("context", {}), rows
 

@@ -4,7 +4,8 @@
     python3 bench/plot.py RESULTS.json [MORE.json ...] [--out DIR] [--filter REGEX]
 
 roofline.png: the two roofs (memory: AI x bandwidth, compute: the FMA peak) for each thread count measured at the
-start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s).
+start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s). --filter keeps
+the rows whose name matches; --time cpu rates them on CPU time (1-thread rows on a busy machine).
 sparsity.png (only when rows named block_sparse/... with a `sparsity` counter are present): speedup against
 sparsity, one curve per (S, block shape); the speedup of a row is the time of the sparsity-0 row of its curve
 (else of the dense flash row of the same shape) over its own time.
@@ -147,6 +148,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="fusedattn-bench JSON files (--benchmark_out=FILE)")
     ap.add_argument("--out", default=".", help="directory for roofline.png and sparsity.png (default: .)")
+    ap.add_argument("--time", choices=["real", "cpu"], default="real",
+                    help="roofline: rate on wall time (default) or on the timing thread's CPU time, which is the "
+                         "kernel's own work for 1-thread rows on a machine shared with other jobs")
     ap.add_argument("--filter", default="", help="roofline: keep only the rows whose name matches (re.search)")
     args = ap.parse_args()
     rows, roofs, context = [], {}, {}
@@ -159,6 +163,10 @@ def main():
     where = "%s, %s CPUs, %s" % (context.get("host_name", "?"), context.get("num_cpus", "?"),
                                  context.get("date", "?")[:10])
     picked = [r for r in rows if re.search(args.filter, r["name"])]
+    if args.time == "cpu":
+        for r in picked:
+            r["seconds"] = r["cpu_seconds"]
+        where += ", rates on CPU time"
     plot_roofline(picked, roofs, os.path.join(args.out, "roofline.png"), "fusedattn roofline (%s)" % where)
     plot_sparsity(rows, os.path.join(args.out, "sparsity.png"), "block-sparse speedup vs sparsity (%s)" % where)
 

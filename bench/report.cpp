@@ -47,6 +47,7 @@ struct row_result {
   std::string name;
   const run* r = nullptr;
   double time = 0;
+  double cpu_time = 0;
   bool error = false;
   std::string error_message;
 };
@@ -87,7 +88,10 @@ std::vector<row_result> rows_of(const std::vector<run>& runs) {
     } else {
       continue;
     }
-    if (rr.r) rr.time = seconds(*rr.r);
+    if (rr.r) {
+      rr.time = seconds(*rr.r);
+      rr.cpu_time = rr.r->GetAdjustedCPUTime() / benchmark::GetTimeUnitMultiplier(rr.r->time_unit);
+    }
     out.push_back(rr);
   }
   return out;
@@ -145,9 +149,10 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
   for (const row_result& r : rows) w = std::max(w, r.name.size());
   char line[512];
   os << "\nRoofline (AI = FLOP per byte; 'min' = compulsory bytes Q,K,V,O once; 'model' = the kernel's modelled "
-        "traffic;\n          roof = min(peak, AI_model x bandwidth) for the row's threads; % = achieved / roof)\n";
-  std::snprintf(line, sizeof line, "%-*s %10s %8s %9s %9s %7s %8s %9s %8s %9s %6s  %s\n", static_cast<int>(w),
-                "row", "time_us", "GFLOP", "MB_min", "MB_model", "AI_min", "AI_model", "GFLOP/s", "GB/s",
+        "traffic;\n  rates on real time (cpu_us: the main thread's CPU time, the kernel's own work for 1-thread rows "
+        "on a busy machine);\n  roof = min(peak, AI_model x bandwidth) for the row's threads; % = achieved / roof)\n";
+  std::snprintf(line, sizeof line, "%-*s %10s %10s %8s %9s %9s %7s %8s %9s %8s %9s %6s  %s\n", static_cast<int>(w),
+                "row", "time_us", "cpu_us", "GFLOP", "MB_min", "MB_model", "AI_min", "AI_model", "GFLOP/s", "GB/s",
                 "roof_GF/s", "%roof", "bound");
   os << line;
   for (const row_result& r : rows) {
@@ -167,8 +172,8 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
       frac = fmt("%.1f", 100.0 * gflops * giga / att);
       bound = ai * ce->bandwidth < ce->peak_flops ? "memory" : "compute";
     }
-    std::snprintf(line, sizeof line, "%-*s %10.1f %8.3f %9.2f %9.2f %7.1f %8.2f %9.2f %8.2f %9s %6s  %s\n",
-                  static_cast<int>(w), r.name.c_str(), r.time * mega, flop / giga, bytes_min / mega, bytes / mega,
+    std::snprintf(line, sizeof line, "%-*s %10.1f %10.1f %8.3f %9.2f %9.2f %7.1f %8.2f %9.2f %8.2f %9s %6s  %s\n",
+                  static_cast<int>(w), r.name.c_str(), r.time * mega, r.cpu_time * mega, flop / giga, bytes_min / mega, bytes / mega,
                   ai_min, ai, gflops, gbs, roof.c_str(), frac.c_str(), bound.c_str());
     os << line;
   }
