@@ -7,8 +7,9 @@ roofline.png: the two roofs (memory: AI x bandwidth, compute: the FMA peak) for 
 start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s). --filter keeps
 the rows whose name matches; --time cpu rates them on CPU time (1-thread rows on a busy machine).
 sparsity.png (only when rows named block_sparse/... with a `sparsity` counter are present): speedup against
-sparsity, one curve per (S, block shape); the speedup of a row is the time of the sparsity-0 row of its curve
-(else of the dense flash row of the same shape) over its own time.
+sparsity, one curve per (S, block shape); the speedup of a row is its `dense_us` counter (dense flash timed in the
+same sweep, as bench/block_sparse_sweep.cpp writes) over its own time, else the time of the sparsity-0 row of its
+curve (or of the dense flash row of the same shape) over its own time.
 The roofs come from the first file whose context carries them (fusedattn_peak_flops_threads_N, ...).
 """
 
@@ -117,16 +118,20 @@ def plot_sparsity(rows, path, title):
     drawn = 0
     for key, members in sorted(curves.items()):
         members.sort(key=lambda r: r["sparsity"])
-        zero = [r for r in members if r["sparsity"] == 0]
-        base = zero[0]["seconds"] if zero else flash.get(bench_json.shape_key(members[0]))
-        if not base:
-            print("plot: no sparsity-0 or flash row for %s; curve skipped" % (key,), file=sys.stderr)
-            continue
+        if all("dense_us" in r for r in members):
+            # The sweep timed dense flash interleaved with each row: the speedup over that.
+            speedups = [r["dense_us"] * 1e-6 / r["seconds"] for r in members]
+        else:
+            zero = [r for r in members if r["sparsity"] == 0]
+            base = zero[0]["seconds"] if zero else flash.get(bench_json.shape_key(members[0]))
+            if not base:
+                print("plot: no dense_us, sparsity-0 or flash row for %s; curve skipped" % (key,), file=sys.stderr)
+                continue
+            speedups = [base / r["seconds"] for r in members]
         s_q, s_kv, bq, bkv, h, d, dtype, threads, frame = key
         s = "S=%d" % s_q if s_q == s_kv else "S=%dx%d" % (s_q, s_kv)
         label = "%s, %dx%d blocks, h%d d%d %s t%d%s" % (s, bq, bkv, h, d, dtype, threads, ", frame" if frame else "")
-        ax.plot([r["sparsity"] for r in members], [base / r["seconds"] for r in members], marker="o", ms=4,
-                label=label)
+        ax.plot([r["sparsity"] for r in members], speedups, marker="o", ms=4, label=label)
         drawn += 1
     if not drawn:
         plt.close(fig)
@@ -134,7 +139,7 @@ def plot_sparsity(rows, path, title):
     xs = [i / 100 for i in range(0, 91)]
     ax.plot(xs, [1 / (1 - x) for x in xs], color="black", ls=":", lw=1, label="ideal 1/(1 - sparsity)")
     ax.set_xlabel("sparsity (fraction of kv blocks dropped)")
-    ax.set_ylabel("speedup over sparsity 0")
+    ax.set_ylabel("speedup over dense flash (or over sparsity 0)")
     ax.set_title(title)
     ax.grid(True, lw=0.3, alpha=0.5)
     ax.legend(fontsize=7)
