@@ -109,8 +109,8 @@ int main(int argc, char** argv) {
   const int max_threads = fa::default_threads();
   const fb::plan pl{opt.full, max_threads};
   for (const fb::row_spec& r : fb::kernel_rows(pl)) {
-    fb::register_row<fa::policy::cpu_naive>(r);
-    fb::register_row<fa::policy::cpu<>>(r);
+    fb::register_naive_row(r);
+    fb::register_flash_row(r);
     fb::register_peer_rows(r);
   }
   benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());

@@ -162,6 +162,7 @@ void attention_row(benchmark::State& state, row_spec r) {
 }
 
 /// Registers one row of a policy's kernel (an f32 row as float, an f16 row as Eigen::half), real time, microseconds.
+/// Instantiated once per kernel in its own file (rows_naive.cpp, rows_flash.cpp) so the kernels compile in parallel.
 template <class Policy>
 void register_row(const row_spec& r) {
   const std::string name = row_name(kernel_model<Policy>::name, r);
@@ -170,5 +171,10 @@ void register_row(const row_spec& r) {
                             : benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::half>, r);
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
+
+/// The naive kernel's row (policy::cpu_naive), from rows_naive.cpp.
+void register_naive_row(const row_spec& r);
+/// The flash kernel's row (policy::cpu<> on the compiler's best xsimd arch), from rows_flash.cpp.
+void register_flash_row(const row_spec& r);
 
 }  // namespace fusedattn::bench

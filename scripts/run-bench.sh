@@ -8,7 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=build/release
 cmake -S . -B "$out" -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_BUILD_TESTS=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF >/dev/null
-cmake --build "$out" -j"$(nproc)" --target fusedattn-bench
+# The build's output goes to a log (GCC 12 prints pages of -Wmaybe-uninitialized false positives from its own
+# AVX-512 headers inside Eigen's GEMM); shown when the build fails.
+log=$out/build-bench.log
+echo "run-bench: building fusedattn-bench (log: $log)"
+if ! cmake --build "$out" -j"$(nproc)" --target fusedattn-bench >"$log" 2>&1; then
+  cat "$log"
+  exit 1
+fi
 json=$out/fusedattn-bench.json
 has_out=0
 for a in "$@"; do
