@@ -38,6 +38,7 @@ inline double score_elements(const problem& p) { return static_cast<double>(p.se
 
 /// Fraction of the s_q × s_kv score entries that a bound mask allows: 1 for dense, (s+1)/(2s) for square causal.
 /// @param m a mask bound to the problem's sequence lengths (any type with `allowed_count()`).
+/// @param p the problem whose seq_q × seq_kv entries are counted.
 template <class Bound>
 double density(const Bound& m, const problem& p) {
   const double n = score_elements(p);
@@ -46,6 +47,7 @@ double density(const Bound& m, const problem& p) {
 
 /// Useful FLOPs of one call, 4 · b · h · s_q · s_kv · d · density (the exp, max and sum are not counted, as
 /// usual for attention FLOP rates).
+/// @param p       the problem's sizes.
 /// @param density fraction of score entries computed: 1 for a kernel that computes every entry (naive, any mask),
 ///                the mask's allowed fraction for a kernel that skips masked tiles.
 inline double flops(const problem& p, double density = 1.0) {
@@ -66,6 +68,7 @@ inline double kv_elements(const problem& p) {
 
 /// Compulsory bytes: Q, K and V read once and O written once, e · (2 · b·h·s_q·d + 2 · b·h_kv·s_kv·d).
 /// No schedule moves less (the optional lse output, b·h·s_q floats, is left out).
+/// @param p          the problem's sizes.
 /// @param elem_bytes bytes per stored element, sizeof(T).
 inline double compulsory_bytes(const problem& p, std::size_t elem_bytes) {
   return static_cast<double>(elem_bytes) * (2.0 * q_elements(p) + 2.0 * kv_elements(p));
@@ -91,7 +94,9 @@ inline double naive_bytes(const problem& p, std::size_t elem_bytes, std::size_t 
 /// Key rows one head visits summed over its q-blocks: Σ over q-blocks of the length of the key segments the
 /// mask lets that block see. A dense mask gives ceil(s_q / block_q) · s_kv. q-blocks are also cut at multiples
 /// of the mask's `q_granule()` (block-sparse layouts), as the tile loop does.
-/// @param m a bound mask offering `q_granule()`, `num_segments(q0, q1)` and `segment(q0, q1, r)`.
+/// @param m       a bound mask offering `q_granule()`, `num_segments(q0, q1)` and `segment(q0, q1, r)`.
+/// @param p       the problem (its seq_q is cut into q-blocks).
+/// @param block_q query rows per q-block (values below 1 count as 1).
 template <class Bound>
 double kv_rows_visited(const Bound& m, const problem& p, index_t block_q) {
   const index_t step = std::max<index_t>(1, block_q);
@@ -114,8 +119,13 @@ double kv_rows_visited(const Bound& m, const problem& p, index_t block_q) {
 /// rows each q-block visits re-read once per q-block, per query head:
 ///   e · 2 · b·h·s_q·d  +  e_kv · 2 · b·h·d · kv_rows_visited(mask, block_q).
 /// The scores never leave the cache. For a dense mask this is e · (2·b·h·s_q·d + 2·b·h·s_kv·d·ceil(s_q/block_q)).
+/// @param p             the problem's sizes.
+/// @param m             the bound mask (see kv_rows_visited).
+/// @param elem_bytes    bytes per stored element, sizeof(T), for Q and O.
+/// @param block_q       query rows per q-block.
 /// @param kv_elem_bytes bytes per K/V element as the kernel re-reads them (0: elem_bytes); a kernel that packs
-///        K and V once into its accumulation type and streams the packed copy re-reads sizeof(accum_t<T>).
+///                      K and V once into its accumulation type and streams the packed copy re-reads
+///                      sizeof(accum_t<T>).
 template <class Bound>
 double flash_bytes(const problem& p, const Bound& m, std::size_t elem_bytes, index_t block_q,
                    std::size_t kv_elem_bytes = 0) {
@@ -145,7 +155,10 @@ struct memory_row {
 };
 
 /// The memory table line of a problem.
-/// @param accum_bytes sizeof(accum_t<T>); @param threads threads of the flash schedule, each with its own tiles.
+/// @param p           the problem's sizes.
+/// @param accum_bytes sizeof(accum_t<T>).
+/// @param tile        the flash schedule's q and kv tile edges.
+/// @param threads     threads of the flash schedule, each with its own tiles.
 inline memory_row memory(const problem& p, std::size_t accum_bytes, tile_shape tile = {}, int threads = 1) {
   memory_row r;
   r.naive_per_head = naive_scores_bytes_per_head(p, accum_bytes);
