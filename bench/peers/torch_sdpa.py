@@ -11,8 +11,9 @@ bytes bytes_min FLOP/s B/s, plus max_err):
   peer_torch_efficient/...    CUDA, SDPBackend.EFFICIENT_ATTENTION    peer_torch_math/...   SDPBackend.MATH (--full)
   peer_torch_flex/...         CUDA, torch.compile(flex_attention), causal through a block mask
 The shapes are those of fusedattn-bench: the leaderboard (B, H, S, D) and the assignment's S = 128, 512, 1024 with
-8 heads and D = 64; the quick set mirrors the bench's quick set (CPU f32; CUDA f16), --full adds causal, f16 on the
-CPU, 1 thread and f32 on the GPU. Causal is PyTorch's is_causal (top-left), like the bench's `causal`.
+8 heads and D = 64, and the rows mirror the bench's quick set (CPU: f32 with 1 and all threads, f16 with all
+threads, the assignment shapes f32 dense and causal with 1 thread; CUDA: f16) or, with --full, every combination
+(CUDA adds f32). Causal is PyTorch's is_causal (top-left), like the bench's `causal`.
 
 Every row is checked before it is timed: its output for batch 0, head 0 against a float64 softmax(QKᵀ·scale)·V on
 the CPU; a row whose error exceeds the tolerance of its type is written as an error row (error_occurred, the
@@ -45,19 +46,21 @@ TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
 FLOPS_PER_SCORE_ELEMENT = 4.0
 
 
-def row_set(full, max_threads, types_lb, types_as):
-    """(shape, dtype, mask, threads) in the bench's order: leaderboard, then the assignment shapes."""
-    threads_all = sorted({1, max_threads}) if full else [max_threads]
-    masks_lb = ["dense", "causal"] if full else ["dense"]
+def row_set(full, max_threads, types):
+    """(shape, dtype, mask, threads) in fusedattn-bench's order. Quick: the leaderboard dense, in types[0] with 1 and
+    all threads and in the other types with all threads, then the assignment shapes in types[0], dense and causal,
+    1 thread. Full: every shape x type x {dense, causal} x {1, all threads}."""
+    both = sorted({1, max_threads})
     rows = []
-    for t in types_lb:
-        for m in masks_lb:
-            for th in threads_all:
-                rows += [(sh, t, m, th) for sh in LEADERBOARD]
-    for t in types_as:
-        for m in ["dense", "causal"]:
-            for th in (threads_all if full else [1]):
-                rows += [(sh, t, m, th) for sh in ASSIGNMENT]
+    for sh in LEADERBOARD:
+        if full:
+            rows += [(sh, t, m, th) for t in types for m in ("dense", "causal") for th in both]
+        else:
+            rows += [(sh, types[0], "dense", th) for th in both]
+            rows += [(sh, t, "dense", max_threads) for t in types[1:]]
+    for sh in ASSIGNMENT:
+        for t in (types if full else types[:1]):
+            rows += [(sh, t, m, th) for m in ("dense", "causal") for th in (both if full else [1])]
     return rows
 
 
@@ -222,11 +225,9 @@ def main():
         sys.exit("torch_sdpa: --device cuda but torch.cuda.is_available() is False")
 
     if want_cpu:
-        types_lb = ["f32", "f16"] if args.full else ["f32"]
-        types_as = ["f32", "f16"] if args.full else ["f32"]
         attend = lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
         with torch.inference_mode():
-            for shape, dtype, mask, threads in row_set(args.full, args.threads, types_lb, types_as):
+            for shape, dtype, mask, threads in row_set(args.full, args.threads, ["f32", "f16"]):
                 torch.set_num_threads(threads)
                 density = allowed_fraction(mask, shape[2], shape[2])
                 add(run_one("peer_torch_sdpa_cpu", attend, shape, dtype, mask, threads, "cpu", args, index, density))
@@ -243,9 +244,10 @@ def main():
         except ImportError as e:
             print("torch_sdpa: FlexAttention unavailable (%s)" % e, file=sys.stderr)
         types = ["f16", "f32"] if args.full else ["f16"]
+        gpu_rows = [(sh, t, m) for sh, t, m, _ in row_set(args.full, 1, types)]
         with torch.inference_mode():
             for kernel, attend in kernels:
-                for shape, dtype, mask, _ in row_set(args.full, 1, types, types):
+                for shape, dtype, mask in gpu_rows:
                     # The math backend materialises every score; the fused ones skip fully masked tiles.
                     density = 1.0 if kernel == "peer_torch_math" else allowed_fraction(mask, shape[2], shape[2])
                     add(run_one(kernel, attend, shape, dtype, mask, 1, "cuda", args, index, density))
