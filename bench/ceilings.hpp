@@ -24,10 +24,12 @@ struct fma_loop_info {
 };
 fma_loop_info fma_info();
 
-/// f32 FLOP/s of `threads` threads each running the FMA loop (best of `repeats`).
+/// f32 FLOP/s of `threads` threads each running the FMA loop (best of `repeats`): the sum of the threads' rates,
+/// each on its own CPU-time clock, so that other jobs sharing the machine do not lower the peak.
 double measure_peak_flops(int threads, int repeats = 5);
 
-/// Triad bytes/s of `threads` threads over three arrays of `array_bytes` each (best of `repeats`).
+/// Triad bytes/s of `threads` threads over three arrays of `array_bytes` each (best of `repeats`), on wall time
+/// (bandwidth is shared, so a busy machine lowers it: the figure is what the rows could get at that moment).
 double measure_bandwidth(int threads, std::size_t array_bytes, int repeats = 5);
 
 /// Bytes of the last-level cache the OS reports (0 when unknown). In a VM this is often the whole socket's L3,

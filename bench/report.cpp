@@ -131,10 +131,10 @@ ceilings measure_ceilings(const std::vector<int>& thread_counts, std::size_t tri
 void print_ceilings(std::ostream& os, const ceilings& c) {
   os << "Ceilings (best of " << ceiling_repeats << "):\n";
   os << "  f32 FMA peak: register-resident FMA loop, " << c.fma.arch << ", " << c.fma.lanes << " lanes x "
-     << c.fma.accumulators << " independent chains per thread\n";
+     << c.fma.accumulators << " independent chains per thread, each thread on its CPU-time clock\n";
   os << "  bandwidth: triad a = b + s*c over 3 arrays of " << size_text(static_cast<double>(c.triad_array_bytes))
      << " (OS-reported last-level cache " << size_text(static_cast<double>(c.llc_bytes))
-     << "), 3 arrays counted (STREAM convention)\n";
+     << "), 3 arrays counted (STREAM convention), wall time\n";
   for (const ceiling& x : c.by_threads)
     os << "  threads " << x.threads << ": peak " << fmt("%.1f", x.peak_flops / giga) << " GFLOP/s, bandwidth "
        << fmt("%.1f", x.bandwidth / giga) << " GB/s, ridge point " << fmt("%.1f", x.peak_flops / x.bandwidth)
