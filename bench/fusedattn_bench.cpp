@@ -1,24 +1,25 @@
 // fusedattn-bench: one Google Benchmark row per (kernel, scalar type, mask, shape, threads), framed by the
-// measured roofs of this machine, a roofline line per row and the memory table.
+// measured roofs of this machine, a roofline line per row and the memory table. Kernels: naive
+// (policy::cpu_naive), flash (policy::cpu<> on the compiler's best xsimd arch), and the peers (peers.hpp).
 //
-//   fusedattn-bench [--quick | --full] [--no-ceilings] [--triad_mib=N] [Google Benchmark flags]
+//   fusedattn-bench [--quick | --full] [--no-ceilings] [--triad_mib=N] [--os-memory] [Google Benchmark flags]
 //
 //   --quick         the default set (README command 1, a few minutes on 2 cores)
 //   --full          every kernel x {f32, f16} x {dense, causal} x {1, all threads} on all shapes
-// Kernels: naive (policy::cpu_naive), flash (policy::cpu<> on the compiler's best xsimd arch), and the peers.
 //   --no-ceilings   skip measuring the roofs (the roofline table then shows no roof)
 //   --triad_mib=N   size of each of the triad's three arrays in MiB (default 256)
 //   --os-memory     let freed memory go back to the OS (glibc's default): see keep_freed_memory()
 // Google Benchmark's flags work as usual (--benchmark_filter, --benchmark_format=json, --benchmark_out=FILE, ...).
 // The ceilings and tables go to stdout with the console format, to stderr otherwise (stdout then holds the JSON).
 #include <cstdlib>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <benchmark/benchmark.h>
 
@@ -97,6 +98,10 @@ bool keep_freed_memory() {
 
 int main(int argc, char** argv) {
   options opt = parse(argc, argv);
+  if (opt.triad_mib == 0) {
+    std::cerr << "fusedattn-bench: --triad_mib must be a positive number of MiB\n";
+    return 2;
+  }
   // argv with our default min time added when the user gave none.
   std::vector<char*> args(argv, argv + argc);
   std::string min_time = opt.full ? full_min_time : quick_min_time;
