@@ -61,7 +61,11 @@ def row_set(full, max_threads, types):
     for sh in ASSIGNMENT:
         for t in (types if full else types[:1]):
             rows += [(sh, t, m, th) for m in ("dense", "causal") for th in (both if full else [1])]
-    return rows
+    unique = []  # (1, 8, 512, 64) is both a leaderboard and an assignment shape
+    for r in rows:
+        if r not in unique:
+            unique.append(r)
+    return unique
 
 
 def shape_name(b, h, s, d):
