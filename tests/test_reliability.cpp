@@ -1,7 +1,7 @@
 // Reliability: hostile inputs beyond the foundation's checks, numerical extremes (logits of ±1e4, fully masked
 // rows, NaN propagation, a row of 2^20 keys), bitwise determinism across runs and thread counts, and bounded
 // memory at a long sequence under a capped address space. Every test runs every policy of
-// test_reliability_policies.hpp. docs/design.md ("Numerics") is the specification these tests check.
+// test_reliability_support.hpp. docs/design.md ("Numerics") is the specification these tests check.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,11 +14,13 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "support/check.hpp"
-#include "test_reliability_policies.hpp"
+#include "test_reliability_support.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define FUSEDATTN_TEST_ASAN 1
@@ -54,36 +56,12 @@ void fill_view(const tensor_ref<T>& t, std::mt19937_64& rng, double lo, double h
         for (index_t c = 0; c < t.dims.d; ++c) t.row(b, h, i)[c] = static_cast<T>(u(rng));
 }
 
-/// Largest |scale · q_i·k_j| over the allowed pairs, and largest |v|, in double.
-template <class T>
-std::pair<double, double> logit_and_value_bounds(const attention_case<T>& c, const band_mask& mask) {
-  const problem& p = c.p;
-  const double scale = p.softmax_scale();
-  double logit = 0, value = 0;
-  for (index_t b = 0; b < p.batch; ++b)
-    for (index_t h = 0; h < p.heads; ++h)
-      for (index_t i = 0; i < p.seq_q; ++i) {
-        const kv_span r = mask.row_range(i);
-        for (index_t j = r.begin; j < r.end; ++j) {
-          double dot = 0;
-          for (index_t col = 0; col < p.head_dim; ++col)
-            dot += static_cast<double>(c.q.view.row(b, h, i)[col]) * static_cast<double>(c.k.view.row(b, p.kv_head(h), j)[col]);
-          logit = std::max(logit, std::abs(scale * dot));
-        }
-      }
-  for (index_t b = 0; b < p.batch; ++b)
-    for (index_t g = 0; g < p.heads_kv; ++g)
-      for (index_t j = 0; j < p.seq_kv; ++j)
-        for (index_t col = 0; col < p.head_dim; ++col)
-          value = std::max(value, std::abs(static_cast<double>(c.v.view.row(b, g, j)[col])));
-  return {logit, value};
-}
-
 /// Runs `pol` on `c` and checks every O element and lse value against the float64 oracle: finite rows within
-/// the tolerance of check.hpp widened by the logit-rounding term of docs/design.md (Numerics), rows that see
-/// no key exactly 0 with lse = −inf.
+/// the tolerance of check.hpp (widened by the logit rounding `widen` allows, when given), rows that see no key
+/// exactly 0 with lse = −inf.
 template <class T, class Policy, class Mask>
-void check_finite_against_oracle(const Policy& pol, attention_case<T>& c, const Mask& mask, const std::string& what) {
+void check_finite_against_oracle(const Policy& pol, attention_case<T>& c, const Mask& mask, const std::string& what,
+                                 std::optional<logit_rounding> widen = {}) {
   INFO(policy_name<Policy>() << " " << scalar_name<T>() << " " << describe(c.p) << " " << mask_name(mask) << " "
                              << what);
   std::vector<float> lse(static_cast<std::size_t>(c.p.lse_size()), 123.0f);
@@ -91,12 +69,11 @@ void check_finite_against_oracle(const Policy& pol, attention_case<T>& c, const 
   INFO(st.what());
   REQUIRE(st.ok());
   expected e = expect(c, bind(mask, c.p));
-  // A kernel may round each logit s a few times (scale, log2(e), the running max): |δs| <= 4·u·|s|. That moves
-  // O by at most 2·max|δs|·max|v| and lse by max|δs|; lse is stored as float (one more rounding of |lse|).
-  const auto [logit, value] = logit_and_value_bounds(c, bind(mask, c.p));
-  const double u_acc = epsilon<accum_t<T>>() / 2, u_f = epsilon<float>() / 2;
-  e.tolerance += 8 * u_acc * logit * value;
-  e.lse_tolerance += (4 * u_acc + 2 * u_f) * logit;
+  if (widen) {
+    const rounding_bounds r = measure_rounding_bounds(c.p, c.q.cview(), c.k.cview(), c.v.cview(), bind(mask, c.p));
+    std::tie(e.tolerance, e.lse_tolerance) =
+        widen_tolerances<accum_t<T>>(e.tolerance, e.lse_tolerance, r, *widen, c.p.head_dim);
+  }
   const problem& p = c.p;
   double err = 0, lse_err = 0;
   bool all_finite = true, empty_rows_exact = true;
@@ -291,13 +268,13 @@ void large_logits(const Policy& pol, problem p, std::optional<double> scale) {
     for (index_t b = 0; b < p.batch; ++b)
       for (index_t h = 0; h < p.heads; ++h)
         for (index_t col = 0; col < p.head_dim; ++col) c.q.view.row(b, h, 0)[col] = static_cast<T>(a);
-    std::visit([&](const auto& mask) { check_finite_against_oracle(pol, c, mask, "seed=" + std::to_string(seed)); },
+    std::visit([&](const auto& mask) { check_finite_against_oracle(pol, c, mask, "seed=" + std::to_string(seed), logit_rounding::exact_dots); },
                m);
   }
 }
 }  // namespace
 
-TEMPLATE_LIST_TEST_CASE("reliability: logits up to ±1e4 and scale up to 1e3 stay finite and match the oracle",
+TEMPLATE_LIST_TEST_CASE("reliability: logits up to +-1e4 and scale up to 1e3 stay finite and match the oracle",
                         "[reliability][numerics]", cpu_policies) {
   const TestType pol = make_policy<TestType>(2);
   struct config {
