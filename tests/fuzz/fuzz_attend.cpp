@@ -122,7 +122,7 @@ void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& 
   const std::vector<float> lse_before = lse_buf ? *lse_buf : std::vector<float>();
   const std::vector<T> o_before = o_op.buf;
   const status st = attend(pol, p, q, k, v, o, mask, lse);
-  const std::string who = std::string(policy_name<Policy>()) + " " + scalar_name<T>() + ": " + st.what();
+  const std::string who = policy_name<Policy>() + " " + scalar_name<T>() + ": " + st.what();
   if (!valid) {
     if (st.code() != errc::invalid_argument) fail(who + " (an invalid call was not rejected)");
     for (std::size_t i = 0; i < watched.size(); ++i)
@@ -203,6 +203,8 @@ void fuzz_one(byte_reader& r) {
   static constexpr double scales[] = {0.01, 0.5, 1.0, 3.0, 1e3};
   if (r.below(3) == 0) p.scale = scales[r.below(5)];
   const int threads = 1 + static_cast<int>(r.below(4));
+  // Flash tile sizes: 0 lets the heuristic choose; small ones put every tail inside these tiny problems.
+  const tile_sizes tiles{r.below(3) ? 0 : 1 + r.below(17), r.below(3) ? 0 : 1 + r.below(33), r.below(4)};
   const bool want_lse = r.below(2) == 0;
 
   any_mask mask = dense{};
@@ -314,6 +316,7 @@ void fuzz_one(byte_reader& r) {
   std::vector<std::vector<T>*> watched = {&q.buf, &k.buf, &v.buf};
   for_each_cpu_policy([&](auto pol) {
     pol.threads = threads_c;
+    set_tiles(pol, tiles);
     run_policy<T>(pol, pc, qv, kv, vv, ov, mask, lse, valid, watched, want_lse ? &lse_buf : nullptr, o);
   });
 }
