@@ -75,6 +75,7 @@ status attend(const Policy& pol, const problem& p, tensor_ref<const detail::iden
   if constexpr (std::is_same_v<Mask, any_mask>) {
     return std::visit([&](const auto& m) { return attend(pol, p, q, k, v, o, m, lse); }, mask);
   } else {
+    if (status st = validate_policy(pol); !st) return st;
     if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
     return detail::run(pol, p, q, k, v, o, bind(mask, p), lse);
   }
