@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
 #include "problem.hpp"
 #include "status.hpp"
@@ -94,6 +95,12 @@ inline status check_mask(const window& w) {
   return {};
 }
 
+/// Masks whose check does not depend on the problem (block_sparse's does: see block_sparse.hpp).
+template <class Mask>
+status check_mask(const Mask& m, const problem&) {
+  return check_mask(m);
+}
+
 }  // namespace detail
 
 /// Checks the problem alone: positive sizes, heads divisible by heads_kv, head_dim bound, scale.
@@ -132,7 +139,7 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   if (status st = detail::check_operand("k", k, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("v", v, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
-  if (status st = detail::check_mask(mask); !st) return st;
+  if (status st = detail::check_mask(mask, p); !st) return st;
   if (!detail::rows_disjoint(o)) return status::invalid("o: its strides make distinct rows share memory");
   const index_t bytes_o = span_elements(o) * static_cast<index_t>(sizeof(T));
   const tensor_ref<const T>* in[3] = {&q, &k, &v};
