@@ -11,6 +11,7 @@
 #include "../core/validate.hpp"
 #include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
+#include "../kernels/flash.hpp"
 #include "../kernels/naive.hpp"
 #include "policy.hpp"
 
@@ -28,6 +29,13 @@ status run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<cons
   if (pol.threads <= 0)
     return status::invalid("policy.threads is " + std::to_string(pol.threads) + "; it must be >= 1");
   return kernels::naive_attention(p, q, k, v, o, mask, lse, pol.threads);
+}
+
+template <class Arch, class T, class Bound>
+status run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<const T>& q,
+           const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
+           float* lse) {
+  return kernels::flash_attention<T, Arch>(p, q, k, v, o, mask, lse, pol.threads, pol.tiles);
 }
 
 #if !FUSEDATTN_WITH_CUDA

@@ -5,7 +5,11 @@
 
 #include <thread>
 
+#include <xsimd/xsimd.hpp>
+
 #include "../config.hpp"
+#include "../cpu/simd.hpp"
+#include "../cpu/tiles.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -30,6 +34,37 @@ namespace policy {
 struct cpu_naive {
   int threads = default_threads();
 };
+
+/// The flash kernel on the CPU: one online-softmax tile loop with micro-kernels on xsimd::batch<float, Arch>
+/// (double for double inputs). `Arch` is an xsimd arch the compiler targets (xsimd::avx512f, xsimd::fma3<xsimd::avx2>,
+/// xsimd::sse4_2, xsimd::neon64, ...) or scalar_arch for the portable scalar path. `threads` (>= 1) splits
+/// (batch, head, q-tile); results are bitwise identical for any thread count. `tiles` overrides the tile heuristic
+/// (0 = choose). attend returns errc::unsupported when the running CPU lacks `Arch`.
+template <class Arch = xsimd::default_arch>
+struct cpu {
+  using arch = Arch;
+  int threads = default_threads();
+  tile_sizes tiles{};
+};
+
+/// The portable scalar path of the flash kernel (the reference every SIMD backend is tested against).
+using cpu_scalar = cpu<scalar_arch>;
+#if XSIMD_WITH_SSE4_2
+/// Flash on SSE4.2 (4 floats per vector).
+using cpu_sse4_2 = cpu<xsimd::sse4_2>;
+#endif
+#if XSIMD_WITH_FMA3_AVX2
+/// Flash on AVX2 with FMA (8 floats per vector).
+using cpu_avx2 = cpu<xsimd::fma3<xsimd::avx2>>;
+#endif
+#if XSIMD_WITH_AVX512F
+/// Flash on AVX-512F (16 floats per vector, 32 registers).
+using cpu_avx512 = cpu<xsimd::avx512f>;
+#endif
+#if XSIMD_WITH_NEON64
+/// Flash on ARM NEON (AArch64).
+using cpu_neon = cpu<xsimd::neon64>;
+#endif
 
 /// The CUDA backend. `stream` is a cudaStream_t (nullptr: the default stream); pointers must be device memory.
 struct cuda {

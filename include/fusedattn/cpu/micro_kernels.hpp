@@ -1,0 +1,113 @@
+/// @file micro_kernels.hpp
+/// Register-blocked micro-kernels of the CPU flash loop on `cpu::simd<Acc, Arch>`: the S = Q·Kᵀ tile over a
+/// packed Kᵀ tile, and the rescale-and-accumulate acc = α·acc + P·V. Packing and the softmax are elsewhere.
+#pragma once
+
+#include "../core/types.hpp"
+#include "simd.hpp"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define FUSEDATTN_UNROLL _Pragma("GCC unroll 16")
+#elif defined(__clang__)
+#define FUSEDATTN_UNROLL _Pragma("unroll")
+#else
+#define FUSEDATTN_UNROLL
+#endif
+
+namespace fusedattn {
+namespace cpu {
+
+/// One MR × (NR·W) block of S = Q·Kᵀ.
+///   q:  MR rows of the (scaled) Q tile, row stride ldq;        shape MR × d
+///   kt: the packed Kᵀ tile at the block's first key, row stride ldk;  shape d × (NR·W)
+///   s:  output, row stride lds;                                 shape MR × (NR·W)
+/// Math: s[r][j] = Σ_c q[r][c] · kt[c][j]. The NR vectors of one kt row are loaded once and used by all MR rows;
+/// each q element is broadcast once and used by all NR vectors.
+template <class Acc, class Arch, index_t MR, index_t NR>
+inline void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s, index_t lds) {
+  using V = simd<Acc, Arch>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  vec acc[MR][NR];
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::broadcast(Acc(0));
+  for (index_t c = 0; c < d; ++c) {
+    vec k_c[NR];
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) k_c[n] = V::load(kt + c * ldk + n * W);
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+      const vec q_rc = V::broadcast(q[r * ldq + c]);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
+    }
+  }
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) V::store(s + r * lds + n * W, acc[r][n]);
+}
+
+/// S = Q·Kᵀ for a whole tile: rows [0, rows) (a multiple of MR), key columns [0, cols) (a multiple of NR·W).
+/// Column blocks are the outer loop so one d × (NR·W) slice of Kᵀ stays in L1 while every row block uses it.
+template <class Acc, class Arch>
+inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, index_t rows, index_t cols,
+                    Acc* s, index_t lds) {
+  using shape = kernel_shape<Acc, Arch>;
+  for (index_t j = 0; j < cols; j += shape::cols)
+    for (index_t i = 0; i < rows; i += shape::mr)
+      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j, ldk, d, s + i * lds + j, lds);
+}
+
+/// One MR × (NV·W) block of the output accumulator.
+///   p:     MR rows of P, row stride ldp;                shape MR × keys
+///   v:     the packed V tile at the block's first column, row stride ldv;  shape keys × (NV·W)
+///   alpha: MR rescale factors exp(m_old − m_new)
+///   acc:   in/out, row stride lda;                     shape MR × (NV·W)
+/// Math: acc[r][c] = α[r] · acc[r][c] + Σ_j p[r][j] · v[j][c]; the rescale is fused into the load of acc.
+template <class Acc, class Arch, index_t MR, index_t NV>
+inline void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
+                     index_t lda) {
+  using V = simd<Acc, Arch>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  vec o[MR][NV];
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+    const vec a = V::broadcast(alpha[r]);
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::mul(a, V::load(acc + r * lda + n * W));
+  }
+  for (index_t j = 0; j < keys; ++j) {
+    vec v_j[NV];
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) v_j[n] = V::load(v + j * ldv + n * W);
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+      const vec p_rj = V::broadcast(p[r * ldp + j]);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::fma(p_rj, v_j[n], o[r][n]);
+    }
+  }
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
+}
+
+/// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows) (a multiple of MR), keys [0, keys),
+/// accumulator columns [0, dp) (a multiple of the vector width). Column chunks of NR vectors are the outer loop
+/// so one keys × (NR·W) slice of V stays in L1; the last chunk takes the remaining 1 .. NR−1 vectors.
+template <class Acc, class Arch>
+inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, index_t dp,
+                    const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
+  using shape = kernel_shape<Acc, Arch>;
+  constexpr index_t W = shape::width;
+  constexpr index_t MR = shape::mr;
+  constexpr index_t NV = shape::nr;
+  index_t c = 0;
+  for (; c + NV * W <= dp; c += NV * W)
+    for (index_t i = 0; i < rows; i += MR)
+      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v + c, ldv, keys, alpha + i, acc + i * lda + c, lda);
+  const index_t rest = (dp - c) / W;
+  for (index_t i = 0; i < rows && rest > 0; i += MR) {
+    const Acc* pi = p + i * ldp;
+    Acc* ai = acc + i * lda + c;
+    switch (rest) {
+      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
+      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
+      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace fusedattn

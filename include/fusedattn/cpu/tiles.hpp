@@ -1,0 +1,45 @@
+/// @file tiles.hpp
+/// Tile sizes of the CPU flash kernel: the user-overridable `tile_sizes` and the one heuristic that fills in
+/// whatever the user left at 0. Sizes only; the loop that uses them is kernels/tile_loop.hpp.
+#pragma once
+
+#include <algorithm>
+
+#include "../core/types.hpp"
+
+namespace fusedattn {
+
+/// Tile sizes of the CPU flash kernel. 0 means "choose by heuristic" (see cpu::choose_tiles).
+struct tile_sizes {
+  index_t q = 0;         ///< query rows per tile (a q-tile is also cut at every multiple of the mask's q_granule)
+  index_t kv = 0;        ///< keys per tile; kv tiles sit on multiples of this
+  index_t kv_split = 0;  ///< key chunks merged by log-sum-exp (decode split); 0 heuristic, 1 never split
+};
+
+namespace cpu {
+
+/// Query rows per tile: enough rows to amortise streaming a K tile, few enough for Q, S and the accumulator
+/// to stay in L2 (64 rows up to head_dim 128, 32 beyond).
+inline constexpr index_t default_q_tile_rows(index_t d) { return d <= 128 ? 64 : 32; }
+/// Keys per tile: a packed Kᵀ tile slice and a V tile (keys × head_dim) stay in L1/L2.
+inline constexpr index_t default_kv_tile_keys(index_t d) { return d <= 128 ? 128 : 64; }
+/// Decode split: only when the whole query range is one tile and there are at least this many keys per chunk.
+inline constexpr index_t decode_min_chunk_keys = 512;
+/// Decode split: the most key chunks (bounds the partial-result buffer at this many times the output).
+inline constexpr index_t decode_max_chunks = 32;
+
+/// The tile heuristic: fills every 0 in `user` from head_dim and the sequence lengths. The result depends on
+/// the problem only, never on the thread count, so results are identical for any number of threads.
+inline constexpr tile_sizes choose_tiles(tile_sizes user, index_t d, index_t s_q, index_t s_kv) {
+  tile_sizes t = user;
+  if (t.q <= 0) t.q = std::min(default_q_tile_rows(d), s_q);
+  if (t.kv <= 0) t.kv = std::min(default_kv_tile_keys(d), s_kv);
+  if (t.kv_split <= 0) {
+    const bool decode = s_q <= t.q && s_kv >= 2 * decode_min_chunk_keys;
+    t.kv_split = decode ? std::min(decode_max_chunks, s_kv / decode_min_chunk_keys) : 1;
+  }
+  return t;
+}
+
+}  // namespace cpu
+}  // namespace fusedattn

@@ -1,0 +1,58 @@
+/// @file flash.hpp
+/// Entry points of the CPU flash kernel: `flash_attention<Arch>` (runs the tile loop of tile_loop.hpp with any
+/// bound mask) and `flash_scratch_bytes` (what a call allocates). Validation is the caller's (attend) job.
+#pragma once
+
+#include <string>
+
+#include "../core/problem.hpp"
+#include "../core/status.hpp"
+#include "../core/tensor.hpp"
+#include "../core/types.hpp"
+#include "../cpu/simd.hpp"
+#include "../cpu/tiles.hpp"
+#include "tile_loop.hpp"
+
+namespace fusedattn {
+namespace kernels {
+
+/// Bytes of scratch a CPU flash call allocates for `p`, `mask` (its q_granule shapes the q-tiles), `tiles`
+/// and `threads` (clamped to the number of work items as the call does): per thread the Q tile (bq × d), the
+/// S/P tile (bq × bkv), the accumulator (bq × dp), three row vectors, and a packed Kᵀ/V cache of one kv head
+/// (2 × seq_kv × d, converted to the accumulation type, padded); plus, for the decode split,
+/// b·h·q-tiles·chunks·bq·(dp + 2) partial results. Nothing grows with seq_q × seq_kv.
+template <class T, class Arch = xsimd::default_arch, class Mask = band_mask>
+index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles = {}, int threads = 1) {
+  using Acc = accum_t<T>;
+  const flash_plan f = make_plan<Acc, Arch>(p, mask, tiles);
+  const index_t items = p.batch * p.heads * f.q_tiles() * f.chunks;
+  const index_t n_threads = std::max<index_t>(1, std::min<index_t>(threads, items));
+  return scratch_bytes<Acc, Arch>(p, f, n_threads);
+}
+
+/// Flash attention on the CPU with the SIMD arch `Arch` (an xsimd arch, or scalar_arch): one online-softmax tile
+/// loop over the kv tiles the bound `mask` lists, `threads` threads over (batch, head, q-tile[, key chunk]).
+/// Results are bitwise identical for any thread count.
+/// Preconditions: the call was validated (validate.hpp). Returns errc::invalid_argument for threads < 1 or a
+/// negative tile size, errc::unsupported when this CPU cannot run `Arch`, errc::out_of_memory when the scratch
+/// (flash_scratch_bytes) cannot be allocated; nothing is written on failure.
+template <class T, class Arch, class Mask>
+status flash_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
+                       int threads, tile_sizes tiles = {}) {
+  if (threads <= 0)
+    return status::invalid("policy.threads is " + std::to_string(threads) + "; it must be >= 1");
+  const index_t t[3] = {tiles.q, tiles.kv, tiles.kv_split};
+  const char* name[3] = {"q", "kv", "kv_split"};
+  for (int i = 0; i < 3; ++i)
+    if (t[i] < 0)
+      return status::invalid(std::string("policy.tiles.") + name[i] + " is " + std::to_string(t[i]) +
+                             "; it must be >= 0 (0 chooses by heuristic)");
+  if (!cpu::arch_available<Arch>())
+    return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
+                                   " code of policy::cpu<Arch>; pick an arch it supports"};
+  return flash_tile_loop<T, Arch, Mask>(p, q, k, v, o, mask, lse, threads, tiles);
+}
+
+}  // namespace kernels
+}  // namespace fusedattn
