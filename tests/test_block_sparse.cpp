@@ -16,6 +16,8 @@ namespace {
 template <class F>
 void for_each_policy(F&& f) {
   f(policy::cpu_naive{1});
+  f(policy::cpu<>{1});
+  f(policy::cpu_scalar{1});
 }
 
 /// Active kv-blocks of CSR row r.
