@@ -79,7 +79,8 @@ std::vector<float> run_float(const Policy& pol, const problem& p, const attentio
 
 }  // namespace
 
-TEST_CASE("block_sparse: random layouts have the exact budget, sorted, reproducible, with the frame", "[block_sparse]") {
+TEST_CASE("block_sparse: random layouts have the exact budget and the frame and are sorted and reproducible",
+          "[block_sparse]") {
   const block_geometry g{1000, 2300, 100, 128, 1, 3};  // 10 q-block rows, 18 kv-blocks, 3 patterns
   const index_t n_kv = g.n_kv_blocks();
   for (const double sparsity : {0.0, 0.05, 0.5, 0.9, 1.0}) {
@@ -110,7 +111,7 @@ TEST_CASE("block_sparse: random layouts have the exact budget, sorted, reproduci
   CHECK(row_of(a, 0) != row_of(a, g.n_q_blocks()));  // heads get their own pattern
 }
 
-TEST_CASE("block_sparse: builders agree (block mask, predicate, band mask, intersection)", "[block_sparse]") {
+TEST_CASE("block_sparse: the builders agree (block mask / predicate / band mask / intersection)", "[block_sparse]") {
   const block_geometry g{37, 53, 3, 5};
   for (const auto& m : {block_sparse::element_rule{causal{}}, block_sparse::element_rule{causal{align::bottom_right}},
                         block_sparse::element_rule{window{4, 2}}}) {
@@ -140,7 +141,7 @@ TEST_CASE("block_sparse: builders agree (block mask, predicate, band mask, inter
   CHECK(dense_layout(g).density() == 1.0);
 }
 
-TEST_CASE("block_sparse: allowed() is the layout's block list of (batch, head), intersected with `within`",
+TEST_CASE("block_sparse: allowed() is the block list of (batch head) intersected with the element rule",
           "[block_sparse]") {
   const problem p{2, 3, 1, 23, 31, 4};
   const block_geometry g{p.seq_q, p.seq_kv, 4, 6, 2, 3};
@@ -206,7 +207,7 @@ TEST_CASE("block_sparse matches the float64 oracle: the block shapes of the refe
     }
 }
 
-TEST_CASE("block_sparse matches the float64 oracle: odd blocks, per-head and per-batch patterns, frames",
+TEST_CASE("block_sparse matches the float64 oracle: odd blocks and per-head / per-batch patterns and frames",
           "[block_sparse]") {
   const index_t shapes[][2] = {{3, 5}, {16, 48}, {1, 1}, {64, 32}};
   // The last two are decode shapes (one q-tile, many keys): the flash loop splits the keys into chunks.
@@ -228,7 +229,8 @@ TEST_CASE("block_sparse matches the float64 oracle: odd blocks, per-head and per
         }
 }
 
-TEST_CASE("block_sparse(all blocks) == dense and block_sparse(causal cover, causal) == causal", "[block_sparse]") {
+TEST_CASE("block_sparse(all blocks) == dense and block_sparse(causal cover with causal rule) == causal",
+          "[block_sparse]") {
   const problem problems[] = {{1, 2, 2, 300, 300, 32}, {1, 1, 1, 200, 333, 64}, {1, 1, 1, 256, 256, 16}};
   for (const problem& p : problems)
     for (const index_t bs : {index_t{16}, index_t{64}, index_t{128}}) {
@@ -258,7 +260,7 @@ TEST_CASE("block_sparse: the thread count does not change the result", "[block_s
   CHECK(lse1 == lse2);
 }
 
-TEST_CASE("block_sparse: lse of Q = K = V = 0 is log(attended keys) exactly; empty rows give 0 and -inf",
+TEST_CASE("block_sparse: lse of Q = K = V = 0 is log(attended keys) exactly and empty rows give 0 and -inf",
           "[block_sparse]") {
   const problem p{1, 2, 1, 50, 77, 8};
   const block_geometry g{p.seq_q, p.seq_kv, 7, 10, 1, 2};
@@ -306,7 +308,7 @@ TEST_CASE("block_sparse: lse of Q = K = V = 0 is log(attended keys) exactly; emp
   });
 }
 
-TEST_CASE("block_sparse: every invalid layout is rejected, naming the field, with nothing written", "[block_sparse]") {
+TEST_CASE("block_sparse: every invalid layout is rejected naming the field with nothing written", "[block_sparse]") {
   const problem p{2, 2, 1, 40, 50, 8};
   const block_geometry g{40, 50, 8, 16, 1, 2};  // 5 q-block rows × 4 kv-blocks, per head
   const block_layout good = random_layout(g, 0.5, 5, {1, 0, 0, 0});
