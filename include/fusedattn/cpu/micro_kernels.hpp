@@ -3,6 +3,9 @@
 /// packed Kᵀ tile, and the rescale-and-accumulate acc = α·acc + P·V. Packing and the softmax are elsewhere.
 #pragma once
 
+#include <type_traits>
+
+#include "../config.hpp"
 #include "../core/types.hpp"
 #include "simd.hpp"
 
@@ -16,6 +19,17 @@
 
 namespace fusedattn {
 namespace cpu {
+
+/// Keeps a loaded vector in a register. Without it GCC re-reads the operand from memory inside every FMA
+/// (one load per FMA instead of one per vector), which makes the micro-kernels load-bound.
+template <class Vec>
+inline void pin_register(Vec& x) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  if constexpr (std::is_class<Vec>::value) asm volatile("" : "+v"(x.data));
+#else
+  (void)x;
+#endif
+}
 
 /// One MR × (NR·W) block of S = Q·Kᵀ.
 ///   q:  MR rows of the (scaled) Q tile, row stride ldq;        shape MR × d
@@ -33,7 +47,10 @@ inline void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, inde
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::broadcast(Acc(0));
   for (index_t c = 0; c < d; ++c) {
     vec k_c[NR];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) k_c[n] = V::load(kt + c * ldk + n * W);
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) {
+      k_c[n] = V::load(kt + c * ldk + n * W);
+      pin_register(k_c[n]);
+    }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec q_rc = V::broadcast(q[r * ldq + c]);
       FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
@@ -44,14 +61,15 @@ inline void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, inde
 }
 
 /// S = Q·Kᵀ for a whole tile: rows [0, rows) (a multiple of MR), key columns [0, cols) (a multiple of NR·W).
-/// Column blocks are the outer loop so one d × (NR·W) slice of Kᵀ stays in L1 while every row block uses it.
+///   kt: packed Kᵀ panels, each d × (NR·W) contiguous (panel_stride = d·NR·W elements apart).
+/// Panels are the outer loop so one contiguous d × (NR·W) panel stays in L1 while every row block uses it.
 template <class Acc, class Arch>
-inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, index_t rows, index_t cols,
-                    Acc* s, index_t lds) {
+inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
+                    index_t lds) {
   using shape = kernel_shape<Acc, Arch>;
   for (index_t j = 0; j < cols; j += shape::cols)
     for (index_t i = 0; i < rows; i += shape::mr)
-      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j, ldk, d, s + i * lds + j, lds);
+      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
 }
 
 /// One MR × (NV·W) block of the output accumulator.
@@ -73,7 +91,10 @@ inline void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
   }
   for (index_t j = 0; j < keys; ++j) {
     vec v_j[NV];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) v_j[n] = V::load(v + j * ldv + n * W);
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
+      v_j[n] = V::load(v + j * ldv + n * W);
+      pin_register(v_j[n]);
+    }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec p_rj = V::broadcast(p[r * ldp + j]);
       FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::fma(p_rj, v_j[n], o[r][n]);
@@ -84,27 +105,32 @@ inline void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
 }
 
 /// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows) (a multiple of MR), keys [0, keys),
-/// accumulator columns [0, dp) (a multiple of the vector width). Column chunks of NR vectors are the outer loop
-/// so one keys × (NR·W) slice of V stays in L1; the last chunk takes the remaining 1 .. NR−1 vectors.
+/// accumulator columns [0, dp) (a multiple of the vector width).
+///   v: packed V chunks at the tile's first key: chunk c (columns [c·NR·W, (c+1)·NR·W)) is keys × (NR·W)
+///      contiguous, chunk_stride elements after chunk c − 1.
+/// Chunks are the outer loop so one contiguous keys × (NR·W) slice of V stays in L1 while every row block uses
+/// it; the last chunk takes the remaining 1 .. NR−1 vectors.
 template <class Acc, class Arch>
-inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, index_t dp,
+inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
   using shape = kernel_shape<Acc, Arch>;
   constexpr index_t W = shape::width;
   constexpr index_t MR = shape::mr;
   constexpr index_t NV = shape::nr;
+  constexpr index_t ldv = NV * W;
   index_t c = 0;
-  for (; c + NV * W <= dp; c += NV * W)
+  for (; c + NV * W <= dp; c += NV * W, v += chunk_stride)
     for (index_t i = 0; i < rows; i += MR)
-      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v + c, ldv, keys, alpha + i, acc + i * lda + c, lda);
+      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda + c, lda);
   const index_t rest = (dp - c) / W;
+  FUSEDATTN_ASSERT(rest < NV);
   for (index_t i = 0; i < rows && rest > 0; i += MR) {
     const Acc* pi = p + i * ldp;
     Acc* ai = acc + i * lda + c;
     switch (rest) {
-      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
-      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
-      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v + c, ldv, keys, alpha + i, ai, lda); break;
+      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
+      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
+      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
     }
   }
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 
@@ -61,8 +62,8 @@ struct simd {
   static type mul(const type& a, const type& b) { return a * b; }
   static type add(const type& a, const type& b) { return a + b; }
   static type sub(const type& a, const type& b) { return a - b; }
-  /// 2^x, with 2^−inf = 0.
-  static type exp2(const type& x) { return xsimd::exp2(x); }
+  /// 2^x for x <= 0 (the softmax only exponentiates t − max), with 2^−inf = 0. See cpu::exp2_nonpositive.
+  static type exp2(const type& x);
   static Acc reduce_add(const type& x) { return xsimd::hadd(x); }
   static Acc reduce_max(const type& x) {
     alignas(64) Acc lanes[type::size];
@@ -72,6 +73,40 @@ struct simd {
     return m;
   }
 };
+
+/// 2^x for x <= 0 on float vectors, about 2 ulp: x = n + f with n = round(x), f in [−1/2, 1/2];
+/// 2^f by its degree-6 Taylor polynomial in f·ln2 (truncation < 1.3e−7 relative); 2^n built in the exponent bits.
+/// x is clamped at −127 first, where 2^n has a zero exponent field and the result is exactly 0 (so −inf gives 0).
+template <class Arch>
+inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
+  using vec = xsimd::batch<float, Arch>;
+  using ivec = xsimd::batch<std::int32_t, Arch>;
+  constexpr float min_exponent = -127.0f;  // 2^n with n = −127 is encoded as the bit pattern 0, i.e. 0.0f
+  constexpr int exponent_bias = 127, mantissa_bits = 23;
+  // c_k = ln2^k / k!, k = 6 .. 1
+  constexpr float c6 = 1.5403530393381609e-4f, c5 = 1.3333558146428443e-3f, c4 = 9.6181291076284772e-3f,
+                  c3 = 5.5504108664821580e-2f, c2 = 2.4022650695910071e-1f, c1 = 6.9314718055994531e-1f;
+  x = xsimd::max(x, vec(min_exponent));
+  const vec n = xsimd::nearbyint(x);
+  const vec f = x - n;
+  vec p = xsimd::fma(vec(c6), f, vec(c5));
+  p = xsimd::fma(p, f, vec(c4));
+  p = xsimd::fma(p, f, vec(c3));
+  p = xsimd::fma(p, f, vec(c2));
+  p = xsimd::fma(p, f, vec(c1));
+  p = xsimd::fma(p, f, vec(1.0f));
+  const ivec bits = (xsimd::to_int(n) + ivec(exponent_bias)) << mantissa_bits;
+  return p * xsimd::bitwise_cast<vec>(bits);
+}
+
+template <class Acc, class Arch>
+inline typename simd<Acc, Arch>::type simd<Acc, Arch>::exp2(const type& x) {
+  if constexpr (std::is_same<Acc, float>::value) {
+    return exp2_nonpositive<Arch>(x);
+  } else {
+    return xsimd::exp2(x);
+  }
+}
 
 /// The portable scalar path: one lane.
 template <class Acc>

@@ -18,11 +18,15 @@ struct tile_sizes {
 
 namespace cpu {
 
-/// Query rows per tile: enough rows to amortise streaming a K tile, few enough for Q, S and the accumulator
-/// to stay in L2 (64 rows up to head_dim 128, 32 beyond).
-inline constexpr index_t default_q_tile_rows(index_t d) { return d <= 128 ? 64 : 32; }
-/// Keys per tile: a packed Kᵀ tile slice and a V tile (keys × head_dim) stay in L1/L2.
-inline constexpr index_t default_kv_tile_keys(index_t d) { return d <= 128 ? 128 : 64; }
+/// Query rows per tile: more rows amortise the per-tile work (Q load, finish) and stream each K/V panel for
+/// more rows; fewer rows waste less on the diagonal of causal masks and keep Q, S and the accumulator in L2.
+/// 128 rows for long sequences up to head_dim 128, 64 for shorter ones, 32 beyond head_dim 128.
+inline constexpr index_t default_q_tile_rows(index_t d, index_t s_q) {
+  return d > 128 ? 32 : (s_q >= 2048 ? 128 : 64);
+}
+/// Keys per tile: the per-row, per-tile softmax work (reductions, one scalar exp2, the rescale) is amortised over
+/// this many keys; the S tile (q rows × keys) stays in L2. 256 up to head_dim 128, 128 beyond.
+inline constexpr index_t default_kv_tile_keys(index_t d) { return d <= 128 ? 256 : 128; }
 /// Decode split: only when the whole query range is one tile and there are at least this many keys per chunk.
 inline constexpr index_t decode_min_chunk_keys = 512;
 /// Decode split: the most key chunks (bounds the partial-result buffer at this many times the output).
@@ -32,7 +36,7 @@ inline constexpr index_t decode_max_chunks = 32;
 /// the problem only, never on the thread count, so results are identical for any number of threads.
 inline constexpr tile_sizes choose_tiles(tile_sizes user, index_t d, index_t s_q, index_t s_kv) {
   tile_sizes t = user;
-  if (t.q <= 0) t.q = std::min(default_q_tile_rows(d), s_q);
+  if (t.q <= 0) t.q = std::min(default_q_tile_rows(d, s_q), s_q);
   if (t.kv <= 0) t.kv = std::min(default_kv_tile_keys(d), s_kv);
   if (t.kv_split <= 0) {
     const bool decode = s_q <= t.q && s_kv >= 2 * decode_min_chunk_keys;

@@ -36,12 +36,15 @@ inline constexpr index_t round_up(index_t x, index_t m) { return (x + m - 1) / m
 /// It depends on the problem, the mask's q_granule and the user's tile sizes only, never on the thread count.
 struct flash_plan {
   index_t d = 0;         ///< head_dim
-  index_t dp = 0;        ///< head_dim padded to the vector width (accumulator and packed V row stride)
+  index_t dp = 0;        ///< head_dim padded to the vector width (accumulator row stride)
   index_t bq = 0;        ///< most query rows per tile
   index_t bq_pad = 0;    ///< bq padded to the micro-kernel's row block
-  index_t bkv = 0;       ///< keys per kv tile; kv tiles start at multiples of bkv
-  index_t bkv_pad = 0;   ///< bkv padded to the micro-kernel's column block (S and packed Kᵀ row stride)
-  index_t kv_tiles = 0;  ///< ceil(seq_kv / bkv)
+  index_t bkv = 0;       ///< most keys per kv tile; kv tiles are cut at multiples of bkv
+  index_t cols = 0;      ///< keys per packed Kᵀ panel = S columns per Q·Kᵀ micro-tile; S is computed panel-aligned
+  index_t lds = 0;       ///< S row stride: the widest panel-aligned span a kv tile can touch
+  index_t panels = 0;    ///< ceil(seq_kv / cols): Kᵀ panels of one kv head
+  index_t vw = 0;        ///< columns per packed V chunk (= P·V micro-tile width)
+  index_t v_chunks = 0;  ///< ceil(dp / vw)
   index_t chunk = 0;     ///< keys per decode chunk (a multiple of bkv)
   index_t chunks = 1;    ///< key chunks per q-tile (1: no split)
   std::vector<index_t> q_start;  ///< q-tile boundaries: tile t is rows [q_start[t], q_start[t + 1])
@@ -52,6 +55,8 @@ struct flash_plan {
 /// Builds the plan. Q-tiles hold at most `bq` rows and never straddle a multiple of the mask's q_granule.
 template <class Acc, class Arch, class Mask>
 flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
+  static_assert(cpu::kernel_shape<Acc, Arch>::cols == cpu::kernel_shape<Acc, Arch>::nr * cpu::kernel_shape<Acc, Arch>::width,
+                "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   using shape = cpu::kernel_shape<Acc, Arch>;
   const tile_sizes t = cpu::choose_tiles(user, p.head_dim, p.seq_q, p.seq_kv);
   flash_plan f;
@@ -60,9 +65,13 @@ flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   f.bq = std::min(t.q, p.seq_q);
   f.bq_pad = round_up(f.bq, shape::mr);
   f.bkv = std::min(t.kv, p.seq_kv);
-  f.bkv_pad = round_up(f.bkv, shape::cols);
-  f.kv_tiles = (p.seq_kv + f.bkv - 1) / f.bkv;
-  const index_t want_chunks = std::min(t.kv_split, f.kv_tiles);
+  f.cols = shape::cols;
+  f.lds = round_up(f.bkv, f.cols) + f.cols;
+  f.panels = (p.seq_kv + f.cols - 1) / f.cols;
+  f.vw = shape::nr * shape::width;
+  f.v_chunks = (f.dp + f.vw - 1) / f.vw;
+  const index_t kv_tiles = (p.seq_kv + f.bkv - 1) / f.bkv;
+  const index_t want_chunks = std::min(t.kv_split, kv_tiles);
   f.chunk = round_up((p.seq_kv + want_chunks - 1) / want_chunks, f.bkv);
   f.chunks = (p.seq_kv + f.chunk - 1) / f.chunk;
   const index_t g = mask.q_granule();
@@ -76,42 +85,63 @@ flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   return f;
 }
 
+/// Sets S entries j in [j0, j1) of query row i to −inf where the mask forbids key kb + j: the generic rule, one
+/// allowed() call per element (used for every mask type without a faster equivalent).
+template <class Acc, class Mask>
+inline void mask_row(const Mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
+  for (index_t j = j0; j < j1; ++j)
+    if (!mask.allowed(i, kb + j)) srow[j] = -std::numeric_limits<Acc>::infinity();
+}
+/// The same for a band mask, whose allowed keys of one row are the single interval row_range(i): two fills.
+template <class Acc>
+inline void mask_row(const band_mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
+  const kv_span r = mask.row_range(i);
+  const index_t lo = std::min(std::max(r.begin - kb, j0), j1);
+  const index_t hi = std::min(std::max(r.end - kb, lo), j1);
+  std::fill(srow + j0, srow + lo, -std::numeric_limits<Acc>::infinity());
+  std::fill(srow + hi, srow + j1, -std::numeric_limits<Acc>::infinity());
+}
+
 /// Per-thread working memory. Sizes are fixed by the plan; nothing grows with seq_q × seq_kv.
+/// The packed K/V cache holds one kv head in the layouts the micro-kernels stream contiguously:
+///   Kᵀ: panels × [d][cols]   (panel P holds keys [P·cols, (P+1)·cols), transposed)
+///   V:  v_chunks × [seq_kv][vw] (chunk c holds columns [c·vw, (c+1)·vw) of every value row)
 template <class Acc>
 struct flash_scratch {
   std::vector<Acc> q;      ///< bq_pad × d: the Q tile, converted to Acc
-  std::vector<Acc> s;      ///< bq_pad × bkv_pad: scores S, then probabilities P, of one tile
+  std::vector<Acc> s;      ///< bq_pad × lds: scores S, then probabilities P, of one tile
   std::vector<Acc> acc;    ///< bq_pad × dp: the unnormalised output accumulator
   std::vector<Acc> m, l;   ///< bq_pad: running max (base 2) and running sum per row
   std::vector<Acc> alpha;  ///< bq_pad: this tile's rescale factor per row
-  std::vector<Acc> kt;     ///< kv_tiles × d × bkv_pad (+ one column block of slack): packed Kᵀ of one kv head
-  std::vector<Acc> v;      ///< kv_tiles × bkv × dp: packed V of one kv head
-  std::vector<unsigned char> packed;  ///< kv_tiles flags: tile already packed for (cached_b, cached_h)
+  std::vector<Acc> kt;     ///< panels × d × cols: packed Kᵀ of one kv head
+  std::vector<Acc> v;      ///< v_chunks × seq_kv × vw: packed V of one kv head
+  std::vector<unsigned char> packed;  ///< per panel: already packed for (cached_b, cached_h)
   index_t cached_b = -1, cached_h = -1;
 
-  static index_t kt_slack(index_t cols) { return cols; }
-
   /// Elements of Acc this scratch holds for a plan (also what flash_scratch_bytes counts).
-  template <class Arch>
-  static index_t elements(const flash_plan& f) {
-    const index_t cols = cpu::kernel_shape<Acc, Arch>::cols;
-    return f.bq_pad * f.d + f.bq_pad * f.bkv_pad + f.bq_pad * f.dp + 3 * f.bq_pad +
-           f.kv_tiles * f.d * f.bkv_pad + kt_slack(cols) + f.kv_tiles * f.bkv * f.dp;
+  static index_t elements(const flash_plan& f, index_t seq_kv) {
+    return f.bq_pad * f.d + f.bq_pad * f.lds + f.bq_pad * f.dp + 3 * f.bq_pad + f.panels * f.d * f.cols +
+           f.v_chunks * seq_kv * f.vw;
   }
 
-  template <class Arch>
-  void allocate(const flash_plan& f) {
-    const index_t cols = cpu::kernel_shape<Acc, Arch>::cols;
-    auto sz = [](index_t n) { return static_cast<std::size_t>(n); };
-    q.assign(sz(f.bq_pad * f.d), Acc(0));
-    s.assign(sz(f.bq_pad * f.bkv_pad), Acc(0));
-    acc.assign(sz(f.bq_pad * f.dp), Acc(0));
-    m.assign(sz(f.bq_pad), Acc(0));
-    l.assign(sz(f.bq_pad), Acc(0));
-    alpha.assign(sz(f.bq_pad), Acc(1));
-    kt.assign(sz(f.kv_tiles * f.d * f.bkv_pad + kt_slack(cols)), Acc(0));
-    v.assign(sz(f.kv_tiles * f.bkv * f.dp), Acc(0));
-    packed.assign(sz(f.kv_tiles), 0);
+  /// Sizes the buffers for a plan and forgets the cached kv head. Buffers only grow, so a thread's scratch is
+  /// reused across calls without touching fresh pages or zero-filling megabytes each time. Stale contents are
+  /// harmless: S columns outside the tile's keys are overwritten with −inf, and V columns past d only reach
+  /// accumulator columns that are never read.
+  void allocate(const flash_plan& f, index_t seq_kv) {
+    auto grow = [](auto& buf, index_t n) {
+      if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
+    };
+    grow(q, f.bq_pad * f.d);
+    grow(s, f.bq_pad * f.lds);
+    grow(acc, f.bq_pad * f.dp);
+    grow(m, f.bq_pad);
+    grow(l, f.bq_pad);
+    grow(alpha, f.bq_pad);
+    grow(kt, f.panels * f.d * f.cols);
+    grow(v, f.v_chunks * seq_kv * f.vw);
+    grow(packed, f.panels);
+    cached_b = cached_h = -1;
   }
 };
 
@@ -132,21 +162,27 @@ struct flash_call {
   accum_t<T>* partial;  ///< decode split only: [b][h][q-tile][chunk][bq_pad][dp + 2]
 };
 
-/// Packs kv tile `t` of kv head (b, h_kv) into the scratch cache, converting to Acc:
-///   Kᵀ tile: d × bkv_pad, column j = key t·bkv + j (so the Q·Kᵀ kernel streams whole rows of it);
-///   V tile:  bkv × dp, row j = value row t·bkv + j.
-/// Columns/rows past seq_kv and V columns past d stay 0 from allocation (every head has the same tail).
+/// Packs panel `pn` (keys [pn·cols, min((pn + 1)·cols, seq_kv))) of kv head (b, h_kv) into the cache,
+/// converting to Acc (half types convert here, once per key per thread):
+///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c];
+///   V: for each column chunk, v[key][x] = v[key][chunk·vw + x], 0 past d.
 template <class T, class Acc>
-void pack_kv_tile(const tensor_ref<const T>& k, const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv,
-                  index_t b, index_t h_kv, index_t t, flash_scratch<Acc>& sc) {
-  const index_t k0 = t * f.bkv, kn = std::min(f.bkv, seq_kv - k0);
-  Acc* kt = sc.kt.data() + t * f.d * f.bkv_pad;
-  Acc* vt = sc.v.data() + t * f.bkv * f.dp;
+void pack_panel(const tensor_ref<const T>& k, const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv,
+                index_t b, index_t h_kv, index_t pn, flash_scratch<Acc>& sc) {
+  const index_t k0 = pn * f.cols, kn = std::min(f.cols, seq_kv - k0);
+  Acc* kt = sc.kt.data() + pn * f.d * f.cols;
   for (index_t j = 0; j < kn; ++j) {
     const T* kr = k.row(b, h_kv, k0 + j);
+    for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
+  }
+  for (index_t j = 0; j < kn; ++j) {
     const T* vr = v.row(b, h_kv, k0 + j);
-    for (index_t c = 0; c < f.d; ++c) kt[c * f.bkv_pad + j] = static_cast<Acc>(kr[c]);
-    for (index_t c = 0; c < f.d; ++c) vt[j * f.dp + c] = static_cast<Acc>(vr[c]);
+    for (index_t ch = 0; ch < f.v_chunks; ++ch) {
+      Acc* dst = sc.v.data() + (ch * seq_kv + k0 + j) * f.vw;
+      const index_t c0 = ch * f.vw, cn = std::max<index_t>(0, std::min(f.vw, f.d - c0));
+      for (index_t x = 0; x < cn; ++x) dst[x] = static_cast<Acc>(vr[c0 + x]);
+      for (index_t x = cn; x < f.vw; ++x) dst[x] = Acc(0);
+    }
   }
 }
 
@@ -166,7 +202,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   const index_t qn_pad = round_up(qn, shape::mr);
 
   if (sc.cached_b != b || sc.cached_h != h_kv) {
-    std::fill(sc.packed.begin(), sc.packed.end(), static_cast<unsigned char>(0));
+    std::fill(sc.packed.begin(), sc.packed.begin() + f.panels, static_cast<unsigned char>(0));
     sc.cached_b = b;
     sc.cached_h = h_kv;
   }
@@ -180,46 +216,45 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   }
   std::fill(sc.q.begin() + qn * f.d, sc.q.begin() + qn_pad * f.d, Acc(0));
   std::fill(sc.acc.begin(), sc.acc.begin() + qn_pad * f.dp, Acc(0));
-  std::fill(sc.m.begin(), sc.m.end(), neg_inf);
-  std::fill(sc.l.begin(), sc.l.end(), Acc(0));
-  std::fill(sc.alpha.begin(), sc.alpha.end(), Acc(1));
+  std::fill(sc.m.begin(), sc.m.begin() + qn_pad, neg_inf);
+  std::fill(sc.l.begin(), sc.l.begin() + qn_pad, Acc(0));
+  std::fill(sc.alpha.begin(), sc.alpha.begin() + qn_pad, Acc(1));
 
   const index_t segments = mask.num_segments(q0, q1);
   for (index_t r = 0; r < segments; ++r) {
     const kv_span seg = mask.segment(q0, q1, r);
     const index_t seg_begin = std::max(seg.begin, key_lo), seg_end = std::min(seg.end, key_hi);
     for (index_t k0 = seg_begin; k0 < seg_end;) {
-      // The kv tile: keys [k0, k1) inside packed tile t, starting `off` keys into it.
-      const index_t t = k0 / f.bkv;
-      const index_t k1 = std::min(seg_end, (t + 1) * f.bkv);
-      const index_t kn = k1 - k0, off = k0 - t * f.bkv;
-      const index_t kn_pad = round_up(kn, shape::cols);
-      if (!sc.packed[static_cast<std::size_t>(t)]) {
-        pack_kv_tile(call.k, call.v, f, p.seq_kv, b, h_kv, t, sc);
-        sc.packed[static_cast<std::size_t>(t)] = 1;
-      }
-      const Acc* kt = sc.kt.data() + t * f.d * f.bkv_pad + off;
-      const Acc* vt = sc.v.data() + (t * f.bkv + off) * f.dp;
+      // The kv tile: keys [k0, k1), cut at multiples of bkv. S is computed on the panel-aligned span
+      // [kb, ke) ⊇ [k0, k1); its columns outside [k0, k1) are masked below.
+      const index_t k1 = std::min(seg_end, (k0 / f.bkv + 1) * f.bkv);
+      const index_t kn = k1 - k0;
+      const index_t kb = k0 / f.cols * f.cols, ke = round_up(k1, f.cols), width = ke - kb;
+      for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
+        if (!sc.packed[static_cast<std::size_t>(pn)]) {
+          pack_panel(call.k, call.v, f, p.seq_kv, b, h_kv, pn, sc);
+          sc.packed[static_cast<std::size_t>(pn)] = 1;
+        }
 
-      // S (qn_pad × kn_pad) = Q (qn_pad × d) · Kᵀ (d × kn_pad).
-      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, kt, f.bkv_pad, f.d, qn_pad, kn_pad, sc.s.data(), f.bkv_pad);
+      // S (qn_pad × width) = Q (qn_pad × d) · Kᵀ (d × width), panel by panel.
+      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, sc.kt.data() + kb * f.d, f.d, qn_pad, width, sc.s.data(), f.lds);
 
-      // Mask: padding columns always; forbidden keys only on tiles the mask calls partial.
+      // Mask: columns outside [k0, k1) always; forbidden keys only on tiles the mask calls partial.
       const bool partial = mask.is_partial(q0, q1, k0, k1);
+      const index_t j0 = k0 - kb, j1 = k1 - kb;
       for (index_t i = 0; i < qn; ++i) {
-        Acc* srow = sc.s.data() + i * f.bkv_pad;
-        for (index_t j = kn; j < kn_pad; ++j) srow[j] = neg_inf;
-        if (partial)
-          for (index_t j = 0; j < kn; ++j)
-            if (!mask.allowed(q0 + i, k0 + j)) srow[j] = neg_inf;
-        // P row (1 × kn_pad) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
+        Acc* srow = sc.s.data() + i * f.lds;
+        for (index_t j = 0; j < j0; ++j) srow[j] = neg_inf;
+        for (index_t j = j1; j < width; ++j) srow[j] = neg_inf;
+        if (partial) mask_row(mask, q0 + i, kb, j0, j1, srow);
+        // P row (1 × width) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
         sc.alpha[static_cast<std::size_t>(i)] = online_softmax_row<Acc, Arch>(
-            srow, kn_pad, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
+            srow, width, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
       }
 
-      // acc (qn_pad × dp) = diag(α)·acc + P (qn_pad × kn) · V (kn × dp).
-      cpu::pv_tile<Acc, Arch>(sc.s.data(), f.bkv_pad, vt, f.dp, kn, f.dp, sc.alpha.data(), sc.acc.data(), f.dp,
-                              qn_pad);
+      // acc (qn_pad × dp) = diag(α)·acc + P (qn_pad × kn) · V (kn × dp), P from column j0 on.
+      cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, sc.v.data() + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
+                              sc.alpha.data(), sc.acc.data(), f.dp, qn_pad);
       k0 = k1;
     }
   }
@@ -283,73 +318,96 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
 /// results (b·h·q-tiles·chunks·bq_pad·(dp + 2) accumulators) when the plan splits the keys.
 template <class Acc, class Arch>
 index_t scratch_bytes(const problem& p, const flash_plan& f, index_t threads) {
-  const index_t per_thread = flash_scratch<Acc>::template elements<Arch>(f) * index_t(sizeof(Acc)) + f.kv_tiles;
+  const index_t per_thread = flash_scratch<Acc>::elements(f, p.seq_kv) * index_t(sizeof(Acc)) + f.panels;
   const index_t partials = f.chunks > 1 ? p.batch * p.heads * f.q_tiles() * f.chunks * f.bq_pad * partial_row(f) : 0;
   return threads * per_thread + partials * index_t(sizeof(Acc));
 }
 
+/// The calling thread's flash scratch (one per OpenMP worker, reused across calls; see flash_scratch::allocate).
+template <class Acc>
+flash_scratch<Acc>& thread_scratch() {
+  static thread_local flash_scratch<Acc> sc;
+  return sc;
+}
+
 /// The tile loop over every (batch, head, q-tile, key chunk), `threads` at a time.
-/// Preconditions: the call was validated; tiles are >= 0; threads >= 1. Reports out_of_memory, with nothing
-/// written, when the scratch cannot be allocated.
+/// Preconditions: the call was validated; tiles are >= 0; threads >= 1. Every thread sizes its scratch before any
+/// output is written; if any allocation fails the call reports out_of_memory with nothing written.
 template <class T, class Arch, class Mask>
 status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                        const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
                        int threads, tile_sizes tiles) {
   using Acc = accum_t<T>;
   flash_plan plan;
-  std::vector<flash_scratch<Acc>> scratch;
   std::vector<Acc> partial;
   const index_t heads_total = p.batch * p.heads;
   index_t items = 0;
   int n_threads = 1;
+  const auto oom = [&] {
+    return status{errc::out_of_memory, "flash: cannot allocate " +
+                                           std::to_string(scratch_bytes<Acc, Arch>(p, plan, n_threads)) +
+                                           " bytes of scratch"};
+  };
   try {
     plan = make_plan<Acc, Arch>(p, mask, tiles);
     items = heads_total * plan.q_tiles() * plan.chunks;
     n_threads = static_cast<int>(std::max<index_t>(1, std::min<index_t>(threads, items)));
-    scratch.resize(static_cast<std::size_t>(n_threads));
-    for (auto& sc : scratch) sc.template allocate<Arch>(plan);
-    if (plan.chunks > 1)
-      partial.resize(static_cast<std::size_t>(items * plan.bq_pad * partial_row(plan)));
+    if (plan.chunks > 1) partial.resize(static_cast<std::size_t>(items * plan.bq_pad * partial_row(plan)));
   } catch (const std::bad_alloc&) {
-    return {errc::out_of_memory, "flash: cannot allocate " + std::to_string(scratch_bytes<Acc, Arch>(p, plan, threads)) +
-                                     " bytes of scratch"};
+    return oom();
   }
   const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial.empty() ? nullptr : partial.data()};
   const index_t q_tiles = plan.q_tiles();
   const index_t part_stride = plan.bq_pad * partial_row(plan);
+  int failed = 0;
 
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(n_threads)
 #endif
   {
+    flash_scratch<Acc>& sc = thread_scratch<Acc>();
+    try {
+      sc.allocate(plan, p.seq_kv);
+    } catch (const std::bad_alloc&) {
 #if defined(_OPENMP)
-    flash_scratch<Acc>& sc = scratch[static_cast<std::size_t>(omp_get_thread_num())];
-#pragma omp for schedule(dynamic, 1)
-#else
-    flash_scratch<Acc>& sc = scratch[0];
+#pragma omp atomic write
 #endif
-    for (index_t item = 0; item < items; ++item) {
-      // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent (cache reuse).
-      const index_t c = item % plan.chunks;
-      const index_t qt = (item / plan.chunks) % q_tiles;
-      const index_t bh = item / (plan.chunks * q_tiles);
-      const index_t key_lo = c * plan.chunk, key_hi = std::min(p.seq_kv, key_lo + plan.chunk);
-      flash_item<T, Arch, Mask>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
-                                plan.q_start[static_cast<std::size_t>(qt) + 1], key_lo, key_hi,
-                                call.partial ? call.partial + item * part_stride : nullptr);
+      failed = 1;
     }
-    if (call.partial) {
+    int any_failed = 0;
+#if defined(_OPENMP)
+#pragma omp barrier
+#pragma omp atomic read
+#endif
+    any_failed = failed;
+    if (!any_failed) {
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (index_t item = 0; item < items; ++item) {
+        // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent (cache reuse).
+        const index_t c = item % plan.chunks;
+        const index_t qt = (item / plan.chunks) % q_tiles;
+        const index_t bh = item / (plan.chunks * q_tiles);
+        const index_t key_lo = c * plan.chunk, key_hi = std::min(p.seq_kv, key_lo + plan.chunk);
+        flash_item<T, Arch, Mask>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
+                                  plan.q_start[static_cast<std::size_t>(qt) + 1], key_lo, key_hi,
+                                  call.partial ? call.partial + item * part_stride : nullptr);
+      }
+      if (call.partial) {
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
-      for (index_t bq = 0; bq < heads_total * q_tiles; ++bq) {
-        const index_t qt = bq % q_tiles, bh = bq / q_tiles;
-        merge_chunks(call, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
-                     plan.q_start[static_cast<std::size_t>(qt) + 1], call.partial + bq * plan.chunks * part_stride,
-                     sc.acc.data());
+        for (index_t bq = 0; bq < heads_total * q_tiles; ++bq) {
+          const index_t qt = bq % q_tiles, bh = bq / q_tiles;
+          merge_chunks(call, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
+                       plan.q_start[static_cast<std::size_t>(qt) + 1], call.partial + bq * plan.chunks * part_stride,
+                       sc.acc.data());
+        }
       }
     }
   }
+  if (failed) return oom();
   return {};
 }
 
