@@ -127,6 +127,9 @@ class block_layout {
       return;
     for (index_t r = 0; r < rows; ++r)
       if (row_offsets_[r + 1] < row_offsets_[r]) return;
+    const index_t n_kv = geometry_.n_kv_blocks();
+    for (const block_index c : cols_)
+      if (c < 0 || c >= n_kv) return;
     run_offsets_.assign(1, 0);
     run_offsets_.reserve(static_cast<std::size_t>(rows + 1));
     for (index_t r = 0; r < rows; ++r) {
