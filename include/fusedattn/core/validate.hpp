@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
 #include "problem.hpp"
 #include "status.hpp"
@@ -117,6 +118,12 @@ inline status check_mask(const window& w) {
   return {};
 }
 
+/// Masks whose check does not depend on the problem (block_sparse's does: see block_sparse.hpp).
+template <class Mask>
+status check_mask(const Mask& m, const problem&) {
+  return check_mask(m);
+}
+
 }  // namespace detail
 
 /// Checks the problem alone: positive sizes, heads divisible by heads_kv, head_dim bound, scale.
@@ -155,7 +162,7 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   if (status st = detail::check_operand("k", k, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("v", v, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
-  if (status st = detail::check_mask(mask); !st) return st;
+  if (status st = detail::check_mask(mask, p); !st) return st;
   // Extra checks: the scale must survive conversion to the accumulation type, and lse must be addressable.
   using acc = accum_t<T>;
   if (p.scale) {

@@ -66,6 +66,7 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
                 const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse, index_t b,
                 index_t h, naive_workspace<accum_t<T>>& ws) {
   using Acc = accum_t<T>;
+  const auto head_mask = for_head(mask, b, h);
   const index_t h_kv = p.kv_head(h);
   load_head(q, b, h, ws.q);
   load_head(k, b, h_kv, ws.k);
@@ -78,7 +79,7 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   const Acc scale = static_cast<Acc>(p.softmax_scale());
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   for (index_t i = 0; i < p.seq_q; ++i)
-    for (index_t j = 0; j < p.seq_kv; ++j) ws.s(i, j) = mask.allowed(i, j) ? scale * ws.s(i, j) : neg_inf;
+    for (index_t j = 0; j < p.seq_kv; ++j) ws.s(i, j) = head_mask.allowed(i, j) ? scale * ws.s(i, j) : neg_inf;
 
   // Pass 3: stable softmax per row: m = max_j S, P = exp(S − m), l = Σ_j P, P = P / l.
   // A row with no allowed key has m = −inf: its P row is 0 and its lse −inf (never NaN). A NaN score makes m NaN
