@@ -222,5 +222,12 @@ TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing writt
                                dense{}, nullptr);
   CHECK(st.code() == errc::unsupported);
   CHECK(std::string(st.what()).find("f16 and bf16") != std::string::npos);
+  // Block-sparse masks are not on the GPU yet: a status, not a wrong answer.
+  const block_layout layout = dense_layout(block_geometry{16, 16, 16, 16, 1, 1});
+  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::automatic, p, bhsd<const Eigen::half>(q.data(), p.q_dims()),
+                                     bhsd<const Eigen::half>(k.data(), p.kv_dims()),
+                                     bhsd<const Eigen::half>(v.data(), p.kv_dims()), bhsd(o.data(), p.o_dims()),
+                                     block_sparse{layout}, nullptr);
+  CHECK(st.code() == errc::unsupported);
   REQUIRE(gpu::synchronize().ok());
 }

@@ -98,6 +98,12 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
 }  // namespace cuda_backend
 
 namespace detail {
+/// policy::cuda with a mask the GPU kernels do not take yet (block_sparse): errc::unsupported, nothing written.
+template <class T, class Bound>
+status run(const policy::cuda&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
+           const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
+  return {errc::unsupported, "the CUDA backend does not run block_sparse masks yet (use a CPU policy)"};
+}
 /// policy::cuda: see cuda_backend::attend.
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
