@@ -17,6 +17,7 @@
 #include "../../core/status.hpp"
 #include "../../core/tensor.hpp"
 #include "../../dispatch/policy.hpp"
+#include "../../kernels/block_sparse.hpp"
 #include "../../kernels/mask.hpp"
 #include "device_types.cuh"
 #include "error.cuh"
@@ -54,17 +55,53 @@ status flash_applies(const problem& p, const tensor_ref<const T>& q, const tenso
   return flash_grid_fits(p);
 }
 
+/// ok when flash's q-tile fits the mask: a block-sparse q-tile must lie in one q-block row (block_q a multiple of
+/// the tile's rows).
+inline status flash_fits_mask(const band_mask&, index_t) { return {}; }
+inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
+  const index_t rows = head_dim == 64 ? flash_default_tile<64>::type::block_m : flash_default_tile<128>::type::block_m;
+  if (m.block_q % rows == 0) return {};
+  return {errc::unsupported, "CUDA flash needs block_sparse's block_q to be a multiple of " + std::to_string(rows) +
+                                 " (its q-tile); block_q is " + std::to_string(m.block_q)};
+}
+
+/// A copy of a block-sparse mask whose CSR arrays live in device memory (freed with `arena`, in stream order).
+inline status layout_to_device(const block_sparse_mask& host, scratch_arena& arena, cudaStream_t stream,
+                               block_sparse_mask& dev) {
+  const index_t rows = host.pattern_batch * host.pattern_heads * host.n_q_blocks;
+  dev = host;
+  const auto copy = [&](auto& dst, const auto* src, index_t count, const char* what) -> status {
+    using X = std::remove_const_t<std::remove_pointer_t<std::remove_reference_t<decltype(dst)>>>;
+    X* d = nullptr;
+    if (status st = arena.allocate(d, count > 0 ? count : 1, what); !st) return st;
+    if (count > 0)
+      if (status st = from_cuda(cudaMemcpyAsync(d, src, sizeof(X) * std::size_t(count), cudaMemcpyHostToDevice, stream),
+                                "cudaMemcpyAsync(block-sparse layout)");
+          !st)
+        return st;
+    dst = d;
+    return {};
+  };
+  if (status st = copy(dev.row_offsets, host.row_offsets, rows + 1, "block-sparse row offsets"); !st) return st;
+  if (status st = copy(dev.cols, host.cols, host.row_offsets[rows], "block-sparse columns"); !st) return st;
+  if (host.run_offsets != nullptr) {
+    if (status st = copy(dev.run_offsets, host.run_offsets, rows + 1, "block-sparse run offsets"); !st) return st;
+    if (status st = copy(dev.runs, host.runs, 2 * host.run_offsets[rows], "block-sparse runs"); !st) return st;
+  }
+  return {};
+}
+
 /// Runs the flash kernel (flash_applies must have said ok).
-template <class T>
+template <class T, class Mask>
 status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-                 const tensor_ref<const T>& v, const tensor_ref<T>& o, const band_mask& mask, float* lse,
+                 const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
                  cudaStream_t stream) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     constexpr double log2e = 1.4426950408889634;
-    const flash_params fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
-                          int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
-                          static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
+    const flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
+                                  int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
+                                  static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     if (p.head_dim == 64) return launch_flash<E, typename flash_default_tile<64>::type>(fp, stream);
     return launch_flash<E, typename flash_default_tile<128>::type>(fp, stream);
   } else {
@@ -73,10 +110,11 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
 }
 
 /// policy::cuda's attend after validation: device-pointer checks, kernel choice, launch. Asynchronous: an error of
-/// the kernels themselves shows at the next synchronisation of the stream.
-template <class T>
+/// the kernels themselves shows at the next synchronisation of the stream. `mask` is a band, or a block-sparse mask
+/// whose arrays are already in device memory.
+template <class T, class Mask>
 status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-              const tensor_ref<const T>& v, const tensor_ref<T>& o, const band_mask& mask, float* lse) {
+              const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse) {
   const void* ptrs[5] = {q.data, k.data, v.data, o.data, lse};
   const char* names[5] = {"q", "k", "v", "o", "lse"};
   for (int i = 0; i < 5; ++i)
@@ -87,9 +125,11 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
     case policy::cuda_kernel::naive: return naive_attention(p, q, k, v, o, mask, lse, stream);
     case policy::cuda_kernel::flash:
       if (status st = flash_applies(p, q, k, v, o); !st) return st;
+      if (status st = flash_fits_mask(mask, p.head_dim); !st) return st;
       return run_flash(p, q, k, v, o, mask, lse, stream);
     case policy::cuda_kernel::automatic:
-      if (flash_applies(p, q, k, v, o)) return run_flash(p, q, k, v, o, mask, lse, stream);
+      if (flash_applies(p, q, k, v, o) && flash_fits_mask(mask, p.head_dim))
+        return run_flash(p, q, k, v, o, mask, lse, stream);
       return naive_attention(p, q, k, v, o, mask, lse, stream);
   }
   return status::invalid("policy.kernel is not a valid fusedattn::policy::cuda_kernel value");
@@ -98,11 +138,15 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
 }  // namespace cuda_backend
 
 namespace detail {
-/// policy::cuda with a mask the GPU kernels do not take yet (block_sparse): errc::unsupported, nothing written.
-template <class T, class Bound>
-status run(const policy::cuda&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
-           const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
-  return {errc::unsupported, "the CUDA backend does not run block_sparse masks yet (use a CPU policy)"};
+/// policy::cuda with a block-sparse mask: the layout (host arrays, as on the CPU) is copied to the device first.
+template <class T>
+status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+           const tensor_ref<const T>& v, const tensor_ref<T>& o, const block_sparse_mask& mask, float* lse) {
+  const auto stream = static_cast<cudaStream_t>(pol.stream);
+  cuda_backend::scratch_arena arena(stream);
+  block_sparse_mask on_device;
+  if (status st = cuda_backend::layout_to_device(mask, arena, stream, on_device); !st) return st;
+  return cuda_backend::attend(pol, p, q, k, v, o, on_device, lse);
 }
 /// policy::cuda: see cuda_backend::attend.
 template <class T>

@@ -17,21 +17,26 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
 #include "../../core/status.hpp"
 #include "../../core/tensor.hpp"
+#include "../../kernels/block_sparse.hpp"
 #include "../../kernels/mask.hpp"
 #include "device_types.cuh"
+#include "head_mask.cuh"
 #include "error.cuh"
 #include "mma.cuh"
 
 namespace fusedattn {
 namespace cuda_backend {
 
-/// Everything one flash launch needs, by value. Strides are in elements.
-struct flash_params {
+/// Everything one flash launch needs, by value. Strides are in elements. `Mask` is a bound mask with the tile-loop
+/// interface (band_mask, or block_sparse_mask whose arrays are in device memory).
+template <class Mask>
+struct flash_params_t {
   const void* q;
   const void* k;
   const void* v;
@@ -40,7 +45,7 @@ struct flash_params {
   strides4 q_stride, k_stride, v_stride, o_stride;
   int batch, heads, group, seq_q, seq_kv;
   float scale_log2;  ///< softmax scale · log2(e)
-  band_mask mask;
+  Mask mask;
   /// Split-KV (decode): `splits` > 1 cuts each block's key tiles into that many parts, grid.z = batch · splits; part
   /// s writes its normalised O in f32 to o_part[s][b][h][i][:] and its lse to lse_part[s][b][h][i], and
   /// flash_merge_kernel combines them. With splits = 1 both are unused and O, lse are written directly.
@@ -48,6 +53,7 @@ struct flash_params {
   float* o_part;
   float* lse_part;
 };
+using flash_params = flash_params_t<band_mask>;
 
 /// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
 /// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles.
@@ -86,8 +92,8 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
   }
 }
 
-template <class E, class Tile>
-__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params p) {
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -119,20 +125,39 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
-  const kv_span range = p.mask.kv_range(q0, q1);
-  // Key tiles [k_first, k_end) in steps of BN; a split takes an equal share of whole tiles.
-  int k_end = int(range.end);
-  int k_first = range.empty() ? k_end : int(range.begin / BN) * BN;
-  if (p.splits > 1) {
-    const int tiles = (k_end - k_first + BN - 1) / BN;
-    const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
-    k_first = first;
-    k_end = last < k_end ? last : k_end;
+  // The key tiles: each of the mask's segments (one for a band, the runs of listed blocks for block-sparse) cut into
+  // BN-aligned tiles, none visited twice; k0 = -1 ends the walk. A split (band only) takes an equal share of the
+  // tiles of its one segment.
+  const Mask mask = head_mask(p.mask, b, h);
+  const int n_segments = int(mask.num_segments(q0, q1));
+  int segment = 0, k_first = -1, k_end = 0;
+  if (n_segments > 0) {
+    const kv_span seg = mask.segment(q0, q1, 0);
+    k_first = int(seg.begin / BN) * BN;
+    k_end = int(seg.end);
+    if (p.splits > 1) {
+      const int tiles = (k_end - k_first + BN - 1) / BN;
+      const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
+      k_end = last < k_end ? last : k_end;
+      k_first = first < k_end ? first : -1;  // a split may get no tile at all
+    }
   }
+  auto next_tile = [&](int k0) {
+    if (k0 + BN < k_end) return k0 + BN;
+    while (++segment < n_segments) {
+      const kv_span seg = mask.segment(q0, q1, segment);
+      const int aligned = int(seg.begin / BN) * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
+      if (k < seg.end) {
+        k_end = int(seg.end);
+        return k;
+      }
+    }
+    return -1;
+  };
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
-  if (k_first < k_end)
+  if (k_first >= 0)
     load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
   cp_async_commit();
   cp_async_wait<0>();
@@ -154,7 +179,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
-  for (int k0 = k_first; k0 < k_end; k0 += BN) {
+  for (int k0 = k_first, k_next = -1; k0 >= 0; k0 = k_next) {
     // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
     load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
     cp_async_commit();
@@ -193,12 +218,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // Per-element mask, only where the tile crosses the band edge or the end of the keys.
-      if (p.mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
+      if (mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (!p.mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
+            if (!mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
       }
 
       // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
@@ -231,8 +256,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
     cp_async_wait<0>();
     __syncthreads();  // V landed; every warp is done with this K tile
-    if (k0 + BN < k_end) {
-      load_tile<Tile, BN>(sk, k_head + (k0 + BN) * p.k_stride.s, p.k_stride.s, rows_left(k0 + BN, p.seq_kv, BN));
+    k_next = next_tile(k0);
+    if (k_next >= 0) {
+      load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
       cp_async_commit();
     }
 
@@ -315,8 +341,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 /// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim:
 ///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
 /// (a row no part saw gets O = 0, lse = −inf).
-template <class E>
-__global__ void flash_merge_kernel(const flash_params p, int head_dim) {
+template <class E, class Mask>
+__global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
   const index_t r = blockIdx.x, rows = index_t(p.batch) * p.heads * p.seq_q;
   const int i = int(r % p.seq_q), h = int((r / p.seq_q) % p.heads), b = int(r / (index_t(p.seq_q) * p.heads));
   float m = -INFINITY;
@@ -370,9 +396,9 @@ bool flash_aligned(const tensor_ref<T>& t) {
 
 /// Launches one flash instantiation (plus the merge of split-KV parts when the call is decode-like). `E` is the
 /// device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part` are filled in here.
-template <class E, class Tile>
-status launch_flash(flash_params p, cudaStream_t stream) {
-  const auto kernel = flash_forward_kernel<E, Tile>;
+template <class E, class Tile, class Mask>
+status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
+  const auto kernel = flash_forward_kernel<E, Tile, Mask>;
   const int smem = Tile::smem_elems * int(sizeof(E));
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                             "cudaFuncSetAttribute(flash_forward_kernel)");
@@ -385,8 +411,11 @@ status launch_flash(flash_params p, cudaStream_t stream) {
       !st)
     return st;
   const index_t q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m;
-  p.splits = flash_splits(q_blocks, q_blocks * p.heads * p.batch, (p.seq_kv + Tile::block_n - 1) / Tile::block_n,
-                          multiprocessors);
+  // Splits cut one segment: band masks only.
+  p.splits = std::is_same_v<Mask, band_mask>
+                 ? flash_splits(q_blocks, q_blocks * p.heads * p.batch, (p.seq_kv + Tile::block_n - 1) / Tile::block_n,
+                                multiprocessors)
+                 : 1;
   p.o_part = p.lse_part = nullptr;
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
   if (p.splits > 1) {
@@ -405,7 +434,7 @@ status launch_flash(flash_params p, cudaStream_t stream) {
   kernel<<<grid, Tile::threads, smem, stream>>>(p);
   if (p.splits == 1) return last_launch("flash_forward_kernel");
   const status launched = last_launch("flash_forward_kernel");
-  if (launched) flash_merge_kernel<E><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);
+  if (launched) flash_merge_kernel<E, Mask><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);
   const status merged = launched ? last_launch("flash_merge_kernel") : launched;
   cudaFreeAsync(p.o_part, stream);
   cudaFreeAsync(p.lse_part, stream);

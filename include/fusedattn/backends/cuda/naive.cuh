@@ -20,6 +20,7 @@
 #include "../../core/tensor.hpp"
 #include "../../kernels/mask.hpp"
 #include "device_types.cuh"
+#include "head_mask.cuh"
 #include "error.cuh"
 
 namespace fusedattn {
@@ -81,10 +82,12 @@ __device__ A block_reduce(A x, Op op, A* scratch) {
 
 /// Row r = (b·heads + h)·s_q + i of S (s_kv scores): p_j = exp(scale·s_j − m) / Σ over allowed j, 0 where the mask
 /// forbids; lse = m + log Σ (−inf and P = 0 for a row that sees no key).
-template <class A, class P>
-__global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P* p, float* lse, band_mask mask, A scale) {
+template <class A, class P, class Mask>
+__global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P* p, float* lse, const Mask all_heads,
+                                                                  index_t heads, A scale) {
   __shared__ A scratch[softmax_threads / 32];
-  const index_t r = blockIdx.x, i = r % mask.seq_q, n = mask.seq_kv;
+  const index_t r = blockIdx.x, i = r % all_heads.seq_q, n = all_heads.seq_kv, bh = r / all_heads.seq_q;
+  const Mask mask = head_mask(all_heads, bh / heads, bh % heads);
   const A* s_row = s + r * n;
   P* p_row = p + r * n;
   const A neg_inf = -INFINITY;
@@ -160,9 +163,9 @@ inline dim3 elementwise_grid(index_t n) {
 }
 
 /// The naive pipeline for storage type `T` (device twin `E`); see the file comment.
-template <class T>
+template <class T, class Mask>
 status naive_attention(const problem& pr, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const band_mask& mask, float* lse,
+                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
                        cudaStream_t stream) {
   using E = device_t<T>;
   using types = naive_types<E>;
@@ -211,8 +214,8 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
       !st)
     return st;
 
-  softmax_kernel<A, E><<<unsigned(pr.batch * pr.heads * pr.seq_q), softmax_threads, 0, stream>>>(
-      sc, pc, lse, mask, static_cast<A>(pr.softmax_scale()));
+  softmax_kernel<A, E, Mask><<<unsigned(pr.batch * pr.heads * pr.seq_q), softmax_threads, 0, stream>>>(
+      sc, pc, lse, mask, pr.heads, static_cast<A>(pr.softmax_scale()));
   if (status st = last_launch("softmax_kernel"); !st) return st;
 
   // Column-major view: O_batchᵀ (d × rows) = V_cm (d × s_kv) · P_cm (s_kv × rows).
