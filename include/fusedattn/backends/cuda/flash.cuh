@@ -130,10 +130,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   // tiles of its one segment.
   const Mask mask = head_mask(p.mask, b, h);
   const int n_segments = int(mask.num_segments(q0, q1));
-  int segment = 0, k_first = -1, k_end = 0;
+  int segment = 0, k_first = -1, k_end = 0, seg_begin = 0;  // the current segment is [seg_begin, k_end)
   if (n_segments > 0) {
     const kv_span seg = mask.segment(q0, q1, 0);
     k_first = int(seg.begin / BN) * BN;
+    seg_begin = int(seg.begin);
     k_end = int(seg.end);
     if (p.splits > 1) {
       const int tiles = (k_end - k_first + BN - 1) / BN;
@@ -148,6 +149,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       const kv_span seg = mask.segment(q0, q1, segment);
       const int aligned = int(seg.begin / BN) * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
       if (k < seg.end) {
+        seg_begin = int(seg.begin);
         k_end = int(seg.end);
         return k;
       }
@@ -215,10 +217,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
+    const bool inside_segment = k0 >= seg_begin && k0 + BN <= k_end;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      // Per-element mask, only where the tile crosses the band edge or the end of the keys.
-      if (mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
+      // Per-element mask, only where the tile crosses the band edge, a block-sparse run's edge or the end of the keys.
+      if (inside_segment ? partial_inside_segment(mask, mq0[mt], mq1[mt], k0, k0 + BN)
+                         : mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
