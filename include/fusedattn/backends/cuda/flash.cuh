@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
-    const bool inside_segment = k0 >= seg_begin && k0 + BN <= k_end;
+    // (A band's segment test would be the full test anyway: keep the band path free of it.)
+    const bool inside_segment = !std::is_same_v<Mask, band_mask> && k0 >= seg_begin && k0 + BN <= k_end;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // Per-element mask, only where the tile crosses the band edge, a block-sparse run's edge or the end of the keys.
