@@ -1,4 +1,5 @@
-// Times fusedattn's CUDA kernels (flash with its default tile and alternative tiles, the naive three-pass pipeline)
+// Times fusedattn's CUDA kernels (flash with its default tile and, with FUSEDATTN_BENCH_TILE_SWEEP, alternative
+// tiles; the naive three-pass pipeline; block-sparse against dense flash; split-KV decode)
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. Shapes: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>

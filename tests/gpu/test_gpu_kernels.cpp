@@ -1,5 +1,6 @@
 // The CUDA kernels against the float64 oracle (copied back to the host): flash and naive × dtype × mask × tail
-// shapes × layouts, flash == naive on larger shapes, and the CUDA policy's error statuses.
+// shapes × layouts, split-KV decode, block-sparse layouts, flash == naive and block_sparse(all) == flash on the
+// device, and the CUDA policy's error statuses.
 #include <cmath>
 #include <limits>
 #include <string>

@@ -1,9 +1,10 @@
 /// @file flash.cuh
 /// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
-/// bf16, head_dim 64 and 128, every band mask, GQA/MQA and any sequence lengths. Not the dispatch (attend_cuda.cuh).
+/// bf16, head_dim 64 and 128, every band mask and block-sparse layouts, GQA/MQA and any sequence lengths.
+/// Not the dispatch (attend_cuda.cuh).
 ///
 /// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 or 32 of them. The block walks
-/// the key tiles the mask's kv_range allows, `block_n` keys at a time:
+/// the key tiles of the mask's segments (a band's kv_range; a block-sparse row's runs), `block_n` keys at a time:
 ///   S = Q·Kᵀ            (warp: 16 or 32 × block_n, Q fragments from registers or shared memory, K from shared)
 ///   S = −inf where the mask forbids (only on tiles is_partial reports)
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
