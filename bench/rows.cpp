@@ -23,6 +23,10 @@ any_mask to_mask(mask_kind m) {
   return dense{};
 }
 
+band_mask bound_mask(mask_kind m, const problem& p) {
+  return m == mask_kind::causal ? bind(causal{align::top_left}, p) : bind(dense{}, p);
+}
+
 std::string row_name(const std::string& kernel, const row_spec& r) {
   return kernel + "/" + scalar_label(r.type) + "/" + mask_label(r.mask) + "/" + shape_name(r.sh) +
          "/threads:" + std::to_string(r.threads);

@@ -34,6 +34,8 @@ const char* scalar_label(scalar s);
 const char* mask_label(mask_kind m);
 /// The user-facing mask of a kind.
 any_mask to_mask(mask_kind m);
+/// The mask of a kind bound to a problem (both kinds are bands).
+band_mask bound_mask(mask_kind m, const problem& p);
 
 /// One row before registration: the kernel's name is added by the registering function.
 struct row_spec {
@@ -134,7 +136,7 @@ void attention_row(benchmark::State& state, row_spec r) {
   using model = kernel_model<Policy>;
   const problem p = r.sh.to_problem();
   const any_mask mask = to_mask(r.mask);
-  const band_mask bound = std::visit([&](const auto& m) { return bind(m, p); }, mask);
+  const band_mask bound = bound_mask(r.mask, p);
   operands<T> x(p);
   const Policy pol = model::make(r.threads);
   const auto q = bhsd<const T>(x.q.data(), p.q_dims()), k = bhsd<const T>(x.k.data(), p.kv_dims()),
