@@ -67,7 +67,7 @@ constexpr index_t check_seq = 256;
 /// its largest error against a float64 loop: O = softmax(scale · Q·Kᵀ + mask) · V.
 float check_one_head(const row_spec& r) {
   const problem p{1, 1, 1, std::min(r.sh.s_q, check_seq), std::min(r.sh.s_kv, check_seq), r.sh.d};
-  const band_mask mask = bound_mask(r.mask, p);
+  const band_mask mask = std::visit([&](const auto& m) { return bind(m, p); }, to_mask(r.mask));
   operands<float> x(p, 7);
   std::vector<float> s;
   openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);
@@ -103,7 +103,7 @@ void openblas_row(benchmark::State& state, row_spec r) {
     return;
   }
   const problem p = r.sh.to_problem();
-  const band_mask mask = bound_mask(r.mask, p);
+  const band_mask mask = std::visit([&](const auto& m) { return bind(m, p); }, to_mask(r.mask));
   operands<float> x(p);
   std::vector<float> s;
   openblas_naive(p, mask, x.q.data(), x.k.data(), x.v.data(), x.o.data(), s);  // untimed warm-up call
