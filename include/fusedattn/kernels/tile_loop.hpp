@@ -55,9 +55,8 @@ struct flash_plan {
 /// Builds the plan. Q-tiles hold at most `bq` rows and never straddle a multiple of the mask's q_granule.
 template <class Acc, class Arch, class Mask>
 flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
-  static_assert(cpu::kernel_shape<Acc, Arch>::cols == cpu::kernel_shape<Acc, Arch>::nr * cpu::kernel_shape<Acc, Arch>::width,
-                "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   using shape = cpu::kernel_shape<Acc, Arch>;
+  static_assert(shape::cols == shape::nr * shape::width, "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   const tile_sizes t = cpu::choose_tiles(user, p.head_dim, p.seq_q, p.seq_kv);
   flash_plan f;
   f.d = p.head_dim;
@@ -277,8 +276,8 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
 }
 
 /// Decode split: merges the chunks' partial rows of one q-tile in chunk order (so the result does not depend on
-/// which thread ran which chunk). `row` is d accumulators of scratch. Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L;
-/// lse = M·ln2 + ln L.
+/// which thread ran which chunk). `row` is d accumulators of scratch.
+/// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L; lse = M·ln2 + ln L.
 template <class T, class Mask>
 void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t q0, index_t q1,
                   const accum_t<T>* parts, accum_t<T>* row) {
