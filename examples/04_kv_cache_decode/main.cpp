@@ -14,7 +14,7 @@
 namespace fa = fusedattn;
 
 int main() {
-  const fa::index_t heads = 8, heads_kv = 2, d = 128, capacity = 4096, steps = 2048;
+  const fa::index_t heads = 8, heads_kv = 2, d = 128, capacity = 2048, steps = 1024;
   std::mt19937 rng(4);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
 

@@ -32,9 +32,10 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
     for (index_t h = 0; h < p.heads; ++h)
       for (index_t i = 0; i < p.seq_q; ++i) {
         const index_t g = p.kv_head(h);
+        const auto head_mask = for_head(mask, b, h);
         Acc m = -std::numeric_limits<Acc>::infinity();
         for (index_t j = 0; j < p.seq_kv; ++j) {
-          if (!mask.allowed(i, j)) continue;
+          if (!head_mask.allowed(i, j)) continue;
           Acc dot = 0;
           for (index_t c = 0; c < p.head_dim; ++c)
             dot += static_cast<Acc>(q.row(b, h, i)[c]) * static_cast<Acc>(k.row(b, g, j)[c]);
@@ -44,7 +45,7 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
         Acc l = 0;
         std::fill(acc.begin(), acc.end(), Acc(0));
         for (index_t j = 0; j < p.seq_kv; ++j) {
-          if (!mask.allowed(i, j)) continue;
+          if (!head_mask.allowed(i, j)) continue;
           const Acc e = std::exp(s[j] - m);
           l += e;
           for (index_t c = 0; c < p.head_dim; ++c) acc[c] += e * static_cast<Acc>(v.row(b, g, j)[c]);

@@ -9,6 +9,7 @@
 #include "../core/status.hpp"
 #include "../core/tensor.hpp"
 #include "../core/validate.hpp"
+#include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
 #include "../kernels/flash.hpp"
 #include "../kernels/naive.hpp"
@@ -17,7 +18,7 @@
 namespace fusedattn {
 
 /// A mask chosen at run time.
-using any_mask = std::variant<dense, causal, window>;
+using any_mask = std::variant<dense, causal, window, block_sparse>;
 
 namespace detail {
 
@@ -63,7 +64,7 @@ status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, co
 /// @param q     (batch, heads, seq_q, head_dim) view; k, v: (batch, heads_kv, seq_kv, head_dim) views.
 ///              Any non-negative strides; the head_dim stride must be 1.
 /// @param o     (batch, heads, seq_q, head_dim) output view; must not overlap q, k, v or itself.
-/// @param mask  dense{}, causal{align}, window{left, right, align} or an any_mask.
+/// @param mask  dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or an any_mask.
 /// @param lse   optional output of batch·heads·seq_q floats laid out [b][h][i], natural log; nullptr for none.
 ///              A query row that sees no key gets O = 0 and lse = −inf.
 /// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a
@@ -75,6 +76,7 @@ status attend(const Policy& pol, const problem& p, tensor_ref<const detail::iden
   if constexpr (std::is_same_v<Mask, any_mask>) {
     return std::visit([&](const auto& m) { return attend(pol, p, q, k, v, o, m, lse); }, mask);
   } else {
+    if (status st = validate_policy(pol); !st) return st;
     if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
     return detail::run(pol, p, q, k, v, o, bind(mask, p), lse);
   }

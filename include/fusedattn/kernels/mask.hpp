@@ -81,7 +81,8 @@ struct band_mask {
   //   q_granule()                 q-tiles must not straddle a multiple of this (0: any q tiling is fine);
   //   num_segments(q0, q1)        how many disjoint key segments rows [q0, q1) visit;
   //   segment(q0, q1, r)          the r-th segment, ascending; the loop cuts it into kv tiles;
-  //   is_partial(...), allowed()  as above.
+  //   is_partial(...), allowed()  as above;
+  //   for_head(mask, b, h)        (free function, below) the mask of one (batch, head).
   FUSEDATTN_HOST_DEVICE index_t q_granule() const { return 0; }
   FUSEDATTN_HOST_DEVICE index_t num_segments(index_t q0, index_t q1) const { return kv_range(q0, q1).empty() ? 0 : 1; }
   FUSEDATTN_HOST_DEVICE kv_span segment(index_t q0, index_t q1, index_t /*r*/) const { return kv_range(q0, q1); }
@@ -96,6 +97,13 @@ struct band_mask {
     return n;
   }
 };
+
+/// The mask rule of one (batch, head). A kernel calls this once per (b, h) before asking the questions above:
+/// masks that are the same for every head return themselves; per-head masks (block_sparse_mask) overload it.
+template <class Mask>
+FUSEDATTN_HOST_DEVICE const Mask& for_head(const Mask& m, index_t /*b*/, index_t /*h*/) {
+  return m;
+}
 
 namespace detail {
 /// Offset of query row 0's key position for an alignment.
