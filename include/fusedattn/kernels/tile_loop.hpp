@@ -193,7 +193,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   using Acc = accum_t<T>;
   const problem& p = call.p;
   const flash_plan& f = call.plan;
-  const auto mask = for_head(call.mask, b, h);  // the (b, h) pattern of per-head masks (block_sparse)
+  const auto& mask = for_head(call.mask, b, h);  // the (b, h) pattern of per-head masks (block_sparse)
   constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const index_t h_kv = p.kv_head(h);
   const index_t qn = q1 - q0;
