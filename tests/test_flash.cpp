@@ -287,7 +287,20 @@ TEST_CASE("flash: logits as large as 1e4 give no inf or NaN", "[flash]") {
     for (index_t i = 0; i < p.lse_size(); ++i)
       if (bound.row_range(i % p.seq_q).empty()) CHECK(std::isinf(lse[static_cast<std::size_t>(i)]));
       else CHECK(std::isfinite(lse[static_cast<std::size_t>(i)]));
-    check_case(c, bound, lse, 1e-4);
+    // A logit of size L carries an absolute rounding error of about L·eps from the float dot product, which the
+    // softmax passes on to the weights: the output is only defined to ~L·eps, so that is the fair floor.
+    double max_logit = 0;
+    for (index_t h = 0; h < p.heads; ++h)
+      for (index_t i = 0; i < p.seq_q; ++i)
+        for (index_t j = 0; j < p.seq_kv; ++j) {
+          double dot = 0;
+          for (index_t d = 0; d < p.head_dim; ++d)
+            dot += double(c.q.view.row(0, h, i)[d]) * double(c.k.view.row(0, p.kv_head(h), j)[d]);
+          max_logit = std::max(max_logit, std::abs(dot) * *p.scale);
+        }
+    INFO("max |logit| " << max_logit);
+    CHECK(max_logit > 1e3);
+    check_case(c, bound, lse, 8.0 * max_logit * epsilon<float>());
   }
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "config.hpp"
+#include "core/cost_model.hpp"
 #include "core/problem.hpp"
 #include "core/status.hpp"
 #include "core/tensor.hpp"

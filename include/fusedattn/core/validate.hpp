@@ -5,7 +5,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../kernels/block_sparse.hpp"
@@ -24,6 +27,19 @@ inline bool mul_ok(index_t a, index_t b, index_t& out) {
   if (a != 0 && b > INT64_MAX / a) return false;
   out = a * b;
   return true;
+}
+
+/// True when [p, p + bytes) does not wrap around the end of the address space.
+inline bool fits_address_space(const void* p, index_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return static_cast<std::uintptr_t>(bytes) <= std::numeric_limits<std::uintptr_t>::max() - a;
+}
+
+/// A double as `%g` writes it ("1e+300", "0.5"), for messages.
+inline std::string str_double(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
 
 /// Checks one operand view against the extents the problem implies.
@@ -52,6 +68,13 @@ status check_operand(const char* name, const tensor_ref<T>& t, dims4 want) {
       return status::invalid(n + ": the extents and strides address beyond 2^63 elements");
     total += part;
   }
+  // Extra checks: the span in bytes must be representable, and the view must not run past the end of the
+  // address space (so that the byte-range overlap tests below cannot wrap).
+  const index_t span = total + t.dims.d;
+  if (span > INT64_MAX / static_cast<index_t>(sizeof(T)))
+    return status::invalid(n + ": the extents and strides span " + str(span) + " elements, beyond 2^63 bytes");
+  if (!fits_address_space(t.data, span * static_cast<index_t>(sizeof(T))))
+    return status::invalid(n + ": the view runs past the end of the address space");
   return {};
 }
 
@@ -140,6 +163,20 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   if (status st = detail::check_operand("v", v, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
   if (status st = detail::check_mask(mask, p); !st) return st;
+  // Extra checks: the scale must survive conversion to the accumulation type, and lse must be addressable.
+  using acc = accum_t<T>;
+  if (p.scale) {
+    const acc scale_acc = static_cast<acc>(*p.scale);
+    if (!(std::isfinite(scale_acc) && scale_acc > 0))
+      return status::invalid("problem.scale is " + detail::str_double(*p.scale) + "; it is not a finite positive " +
+                             scalar_name<acc>() + " (the accumulation type of " + scalar_name<T>() + ")");
+  }
+  if (lse) {
+    index_t lse_bytes = 0;
+    if (!detail::mul_ok(p.lse_size(), static_cast<index_t>(sizeof(float)), lse_bytes) ||
+        !detail::fits_address_space(lse, lse_bytes))
+      return status::invalid("lse: " + detail::str(p.lse_size()) + " floats do not fit in the address space");
+  }
   if (!detail::rows_disjoint(o)) return status::invalid("o: its strides make distinct rows share memory");
   const index_t bytes_o = span_elements(o) * static_cast<index_t>(sizeof(T));
   const tensor_ref<const T>* in[3] = {&q, &k, &v};
@@ -152,6 +189,26 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
       return status::invalid(std::string("lse overlaps ") + in_name[i]);
   }
   if (lse && detail::overlaps(lse, p.lse_size() * index_t(sizeof(float)), o.data, bytes_o)) return status::invalid("lse overlaps o");
+  return {};
+}
+
+namespace detail {
+/// Detects a `threads` member (every CPU policy has one).
+template <class Policy, class = void>
+struct has_threads : std::false_type {};
+template <class Policy>
+struct has_threads<Policy, std::void_t<decltype(std::declval<const Policy&>().threads)>> : std::true_type {};
+}  // namespace detail
+
+/// Checks the policy alone: a CPU policy's thread count must be >= 1. Runs for every policy, so a new CPU
+/// policy is covered as soon as it has a `threads` member.
+template <class Policy>
+status validate_policy(const Policy& pol) {
+  if constexpr (detail::has_threads<Policy>::value) {
+    if (pol.threads <= 0)
+      return status::invalid("policy.threads is " + std::to_string(pol.threads) + "; it must be >= 1");
+  }
+  (void)pol;
   return {};
 }
 

@@ -66,6 +66,12 @@ struct simd {
   static type exp2(const type& x);
   static Acc reduce_add(const type& x) { return xsimd::hadd(x); }
   static Acc reduce_max(const type& x) {
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
+      if constexpr (std::is_same<Acc, float>::value) return _mm512_reduce_max_ps(x);
+      else return _mm512_reduce_max_pd(x);
+    }
+#endif
     alignas(64) Acc lanes[type::size];
     x.store_unaligned(lanes);
     Acc m = lanes[0];
@@ -83,11 +89,15 @@ inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   using ivec = xsimd::batch<std::int32_t, Arch>;
   constexpr float min_exponent = -127.0f;  // 2^n with n = −127 is encoded as the bit pattern 0, i.e. 0.0f
   constexpr int exponent_bias = 127, mantissa_bits = 23;
+  constexpr float shifter = 12582912.0f + exponent_bias;  // 1.5 · 2^23 + 127
   // c_k = ln2^k / k!, k = 6 .. 1
   constexpr float c6 = 1.5403530393381609e-4f, c5 = 1.3333558146428443e-3f, c4 = 9.6181291076284772e-3f,
                   c3 = 5.5504108664821580e-2f, c2 = 2.4022650695910071e-1f, c1 = 6.9314718055994531e-1f;
   x = xsimd::max(x, vec(min_exponent));
-  const vec n = xsimd::nearbyint(x);
+  // n = round(x) by the shifter trick: x + 1.5·2^23 + 127 lies in [2^23, 2^24), where floats are integers, so the
+  // sum holds n + 127 in its low mantissa bits; shifting those bits into the exponent field gives 2^n directly.
+  const vec shifted = x + vec(shifter);
+  const vec n = shifted - vec(shifter);
   const vec f = x - n;
   vec p = xsimd::fma(vec(c6), f, vec(c5));
   p = xsimd::fma(p, f, vec(c4));
@@ -95,7 +105,7 @@ inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   p = xsimd::fma(p, f, vec(c2));
   p = xsimd::fma(p, f, vec(c1));
   p = xsimd::fma(p, f, vec(1.0f));
-  const ivec bits = (xsimd::to_int(n) + ivec(exponent_bias)) << mantissa_bits;
+  const ivec bits = xsimd::bitwise_cast<ivec>(shifted) << mantissa_bits;
   return p * xsimd::bitwise_cast<vec>(bits);
 }
 

@@ -82,10 +82,11 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
     for (index_t j = 0; j < p.seq_kv; ++j) ws.s(i, j) = head_mask.allowed(i, j) ? scale * ws.s(i, j) : neg_inf;
 
   // Pass 3: stable softmax per row: m = max_j S, P = exp(S − m), l = Σ_j P, P = P / l.
-  // A row with no allowed key has m = −inf: its P row is 0 and its lse −inf (never NaN).
+  // A row with no allowed key has m = −inf: its P row is 0 and its lse −inf (never NaN). A NaN score makes m NaN
+  // (PropagateNaN), so the row's P, O and lse become NaN rather than the row passing for fully masked.
   for (index_t i = 0; i < p.seq_q; ++i) {
     auto row = ws.s.row(i);
-    const Acc m = row.maxCoeff();
+    const Acc m = row.template maxCoeff<Eigen::PropagateNaN>();
     if (m == neg_inf) {
       row.setZero();
       if (lse) lse[(b * p.heads + h) * p.seq_q + i] = -std::numeric_limits<float>::infinity();
@@ -97,8 +98,17 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
     if (lse) lse[(b * p.heads + h) * p.seq_q + i] = static_cast<float>(m + std::log(l));
   }
 
-  // Pass 4: O = P·V (seq_q × head_dim), converted to the storage type.
-  ws.o.noalias() = ws.s * ws.v;
+  // Pass 4: O = P·V (seq_q × head_dim), converted to the storage type. A GEMM multiplies masked P entries
+  // (exactly 0) by V too, and 0·NaN = NaN; so when V holds a NaN or an infinity, O is summed row by row over
+  // the allowed keys only, and the non-finite value reaches just the rows that attend its key.
+  if (ws.v.allFinite()) {
+    ws.o.noalias() = ws.s * ws.v;
+  } else {
+    ws.o.setZero();
+    for (index_t i = 0; i < p.seq_q; ++i)
+      for (index_t j = 0; j < p.seq_kv; ++j)
+        if (mask.allowed(i, j)) ws.o.row(i) += ws.s(i, j) * ws.v.row(j);
+  }
   for (index_t i = 0; i < p.seq_q; ++i) {
     T* r = o.row(b, h, i);
     for (index_t c = 0; c < p.head_dim; ++c) r[c] = static_cast<T>(ws.o(i, c));

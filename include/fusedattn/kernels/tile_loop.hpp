@@ -382,10 +382,11 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
     any_failed = failed;
     if (!any_failed) {
 #if defined(_OPENMP)
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
 #endif
       for (index_t item = 0; item < items; ++item) {
-        // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent (cache reuse).
+        // item = ((b·heads + h)·q_tiles + qt)·chunks + c: heads sharing a kv head are adjacent, and guided
+        // scheduling hands out long runs of adjacent items first (packed K/V reuse), short ones last (balance).
         const index_t c = item % plan.chunks;
         const index_t qt = (item / plan.chunks) % q_tiles;
         const index_t bh = item / (plan.chunks * q_tiles);

@@ -1,0 +1,335 @@
+// libFuzzer harness for fusedattn::attend. The bytes choose a scalar type, a small problem, a layout (axis order,
+// padding, broadcast strides) per operand, a mask, a thread count, whether lse is wanted, the input values, and at
+// most one "hostile" mutation (null pointer, shape mismatch, bad stride, aliasing, overlapping rows, overflow,
+// bad threads, scale or mask). Every CPU policy of tests/test_reliability_support.hpp then runs the call, and:
+//   - a mutated (invalid) call must return invalid_argument and leave every buffer bitwise unchanged;
+//   - a valid call must succeed, leave the inputs and the gaps of O untouched, and agree with the float64 oracle
+//     within check.hpp's tolerance widened by the general logit-rounding bound.
+// Any violation aborts, which libFuzzer reports as a crash; ASan and UBSan catch memory and UB errors.
+// Build: cmake -S . -B build/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DFUSEDATTN_BUILD_FUZZ=ON
+// Run:   ./build/fuzz/tests/fuzz/fuzz_attend -max_total_time=60 build/fuzz/corpus tests/fuzz/corpus
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "support/oracle.hpp"
+#include "test_reliability_support.hpp"
+
+using namespace fusedattn;
+using namespace fusedattn::testing;
+
+namespace {
+
+/// Reads the fuzzer's bytes front to back; past the end every read is 0.
+class byte_reader {
+ public:
+  byte_reader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  unsigned u8() { return pos_ < size_ ? data_[pos_++] : 0u; }
+  /// A value in [0, n).
+  index_t below(index_t n) { return static_cast<index_t>(u8()) % n; }
+  std::uint64_t u64() {
+    std::uint64_t x = 0;
+    for (int i = 0; i < 8; ++i) x = (x << 8) | u8();
+    return x;
+  }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+};
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_attend: %s\n", what.c_str());
+  std::abort();
+}
+
+/// One operand: its own heap buffer sized to the view's span (so ASan sees any access outside it), a view with
+/// the head dimension contiguous and the three outer axes nested in a byte-chosen order with byte-chosen
+/// padding; inputs may also broadcast one axis (stride 0).
+template <class T>
+struct fuzz_operand {
+  std::vector<T> buf;
+  tensor_ref<T> view;
+
+  fuzz_operand(dims4 d, byte_reader& r, bool may_broadcast) {
+    static constexpr int orders[6][3] = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}};
+    const int* order = orders[r.below(6)];  // outermost to innermost among b (0), h (1), s (2)
+    const index_t ext[3] = {d.b, d.h, d.s};
+    index_t st[3] = {0, 0, 0};
+    index_t inner = d.d;  // elements one step of the next axis must clear
+    for (int k = 2; k >= 0; --k) {
+      const int axis = order[k];
+      st[axis] = inner + r.below(4);  // padding of 0..3 elements
+      inner = st[axis] * ext[axis];
+    }
+    if (may_broadcast && r.below(4) == 0) st[r.below(3)] = 0;
+    view = {nullptr, d, {st[0], st[1], st[2], 1}};
+    buf.resize(static_cast<std::size_t>(span_elements(view)));
+    view.data = buf.data();
+  }
+};
+
+/// Fills the elements a view covers (broadcast elements repeatedly) with uniform values in [−amp, amp].
+template <class T>
+void fill(const tensor_ref<T>& t, std::mt19937_64& rng, double amp) {
+  std::uniform_real_distribution<double> u(-amp, amp);
+  for (index_t b = 0; b < t.dims.b; ++b)
+    for (index_t h = 0; h < t.dims.h; ++h)
+      for (index_t i = 0; i < t.dims.s; ++i)
+        for (index_t c = 0; c < t.dims.d; ++c) t.row(b, h, i)[c] = static_cast<T>(u(rng));
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// The hostile mutations; `none` leaves the call valid.
+enum class mutation {
+  none,
+  null_q,
+  null_o,
+  shape_mismatch,
+  non_unit_d_stride,
+  negative_stride,
+  o_aliases_input,
+  lse_aliases,
+  o_rows_overlap,
+  bad_threads,
+  bad_scale,
+  bad_window,
+  head_dim_too_large,
+  heads_not_multiple,
+  offset_overflow,
+  bad_alignment,
+  count
+};
+
+template <class T, class Policy>
+void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                const tensor_ref<const T>& v, const tensor_ref<T>& o, const any_mask& mask, float* lse, bool valid,
+                std::vector<std::vector<T>*> watched, std::vector<float>* lse_buf, fuzz_operand<T>& o_op) {
+  std::vector<std::vector<T>> before;
+  for (auto* w : watched) before.push_back(*w);
+  const std::vector<float> lse_before = lse_buf ? *lse_buf : std::vector<float>();
+  const std::vector<T> o_before = o_op.buf;
+  const status st = attend(pol, p, q, k, v, o, mask, lse);
+  const std::string who = policy_name<Policy>() + " " + scalar_name<T>() + ": " + st.what();
+  if (!valid) {
+    if (st.code() != errc::invalid_argument) fail(who + " (an invalid call was not rejected)");
+    for (std::size_t i = 0; i < watched.size(); ++i)
+      if (!same_bits(*watched[i], before[i])) fail(who + " (a rejected call wrote memory)");
+    if (!same_bits(o_op.buf, o_before)) fail(who + " (a rejected call wrote O)");
+    if (lse_buf && !same_bits(*lse_buf, lse_before)) fail(who + " (a rejected call wrote lse)");
+    return;
+  }
+  if (!st.ok()) fail(who + " (a valid call failed)");
+  for (std::size_t i = 0; i < watched.size(); ++i)
+    if (!same_bits(*watched[i], before[i])) fail(who + " (an input was written)");
+
+  // Gaps of O (elements outside the view) keep their old bits.
+  std::vector<char> in_view(o_op.buf.size(), 0);
+  for (index_t b = 0; b < p.batch; ++b)
+    for (index_t h = 0; h < p.heads; ++h)
+      for (index_t i = 0; i < p.seq_q; ++i)
+        for (index_t c = 0; c < p.head_dim; ++c)
+          in_view[static_cast<std::size_t>(o.offset(b, h, i) + c)] = 1;
+  for (std::size_t i = 0; i < in_view.size(); ++i)
+    if (!in_view[i] && std::memcmp(&o_op.buf[i], &o_before[i], sizeof(T)) != 0) fail(who + " (a gap of O was written)");
+
+  // Against the float64 oracle; the plain same-precision loop sets the tolerance as in check.hpp.
+  std::visit(
+      [&](const auto& m) {
+        const band_mask bound = bind(m, p);
+        const reference ref = reference_attention<double>(p, q, k, v, bound);
+        const reference plain = reference_attention<accum_t<T>>(p, q, k, v, bound);
+        double plain_err = 0, plain_lse_err = 0, err = 0, lse_err = 0;
+        for (std::size_t i = 0; i < ref.o.size(); ++i)
+          plain_err = std::max(plain_err, std::abs(static_cast<double>(static_cast<T>(plain.o[i])) - ref.o[i]));
+        for (std::size_t i = 0; i < ref.lse.size(); ++i)
+          if (std::isfinite(ref.lse[i]))
+            plain_lse_err = std::max(plain_lse_err, std::abs(static_cast<double>(static_cast<float>(plain.lse[i])) - ref.lse[i]));
+        const rounding_bounds rb = measure_rounding_bounds(p, q, k, v, bound);
+        const double eps_t = static_cast<double>(Eigen::NumTraits<T>::epsilon());
+        const double eps_f = static_cast<double>(Eigen::NumTraits<float>::epsilon());
+        const auto [o_tol, lse_tol] = widen_tolerances<accum_t<T>>(
+            2 * plain_err + 8 * eps_t * std::max(1.0, rb.value), 2 * plain_lse_err + 64 * eps_f * std::max(1.0, rb.logit),
+            rb, logit_rounding::general, p.head_dim);
+        for (index_t b = 0; b < p.batch; ++b)
+          for (index_t h = 0; h < p.heads; ++h)
+            for (index_t i = 0; i < p.seq_q; ++i) {
+              const std::size_t row = static_cast<std::size_t>((b * p.heads + h) * p.seq_q + i);
+              for (index_t c = 0; c < p.head_dim; ++c) {
+                const double x = static_cast<double>(o.row(b, h, i)[c]);
+                const double e = std::isfinite(x) ? std::abs(x - ref.o[row * static_cast<std::size_t>(p.head_dim) + c])
+                                                  : std::numeric_limits<double>::infinity();
+                err = std::max(err, e);
+              }
+              if (lse) {
+                const double x = lse[row], y = ref.lse[row];
+                if (std::isinf(y)) {
+                  if (x != y) lse_err = std::numeric_limits<double>::infinity();
+                } else {
+                  lse_err = std::max(lse_err, std::isfinite(x) ? std::abs(x - y) : std::numeric_limits<double>::infinity());
+                }
+              }
+            }
+        if (!(err <= o_tol))
+          fail(who + " O error " + std::to_string(err) + " > tolerance " + std::to_string(o_tol));
+        if (!(lse_err <= lse_tol))
+          fail(who + " lse error " + std::to_string(lse_err) + " > tolerance " + std::to_string(lse_tol));
+      },
+      mask);
+}
+
+template <class T>
+void fuzz_one(byte_reader& r) {
+  // Problem: small enough that the oracle and every kernel take microseconds.
+  problem p;
+  p.batch = 1 + r.below(2);
+  p.heads_kv = 1 + r.below(3);
+  p.heads = p.heads_kv * (1 + r.below(3));
+  p.seq_q = 1 + r.below(12);
+  p.seq_kv = 1 + r.below(12);
+  p.head_dim = 1 + r.below(20);
+  static constexpr double scales[] = {0.01, 0.5, 1.0, 3.0, 1e3};
+  if (r.below(3) == 0) p.scale = scales[r.below(5)];
+  const int threads = 1 + static_cast<int>(r.below(4));
+  // Flash tile sizes: 0 lets the heuristic choose; small ones put every tail inside these tiny problems.
+  const tile_sizes tiles{r.below(3) ? 0 : 1 + r.below(17), r.below(3) ? 0 : 1 + r.below(33), r.below(4)};
+  const bool want_lse = r.below(2) == 0;
+
+  any_mask mask = dense{};
+  const align al = r.below(2) ? align::bottom_right : align::top_left;
+  switch (r.below(4)) {
+    case 0: mask = dense{}; break;
+    case 1: mask = causal{al}; break;
+    default: mask = window{r.below(9), r.below(9), al}; break;
+  }
+
+  fuzz_operand<T> q(p.q_dims(), r, true), k(p.kv_dims(), r, true), v(p.kv_dims(), r, true), o(p.o_dims(), r, false);
+  static constexpr double amps[] = {1.0, 1.0, 4.0, 30.0};
+  std::mt19937_64 rng(r.u64());
+  const double amp = amps[r.below(4)];
+  fill(q.view, rng, amp);
+  fill(k.view, rng, amp);
+  fill(v.view, rng, 1.0);
+  std::uniform_real_distribution<double> junk(50, 60);
+  for (T& x : o.buf) x = static_cast<T>(junk(rng));
+  std::vector<float> lse_buf(static_cast<std::size_t>(p.lse_size()), 77.0f);
+
+  tensor_ref<const T> qv = q.view, kv = k.view, vv = v.view;
+  tensor_ref<T> ov = o.view;
+  float* lse = want_lse ? lse_buf.data() : nullptr;
+  problem pc = p;
+  int threads_c = threads;
+
+  // At most one hostile mutation; each one below makes the call invalid (checked against the docs' rules).
+  const auto mut = static_cast<mutation>(r.below(2 * static_cast<index_t>(mutation::count)));
+  bool valid = true;
+  switch (mut) {
+    case mutation::null_q: qv.data = nullptr; valid = false; break;
+    case mutation::null_o: ov.data = nullptr; valid = false; break;
+    case mutation::shape_mismatch: {
+      tensor_ref<const T>* ins[3] = {&qv, &kv, &vv};
+      tensor_ref<const T>* t = ins[r.below(3)];
+      index_t* dims[4] = {&t->dims.b, &t->dims.h, &t->dims.s, &t->dims.d};
+      *dims[r.below(4)] += 1 + r.below(3);  // larger than the buffer: must be rejected before any read
+      valid = false;
+      break;
+    }
+    case mutation::non_unit_d_stride: ov.stride.d = 2 + r.below(3); valid = false; break;
+    case mutation::negative_stride: kv.stride.s = -1 - r.below(100); valid = false; break;
+    case mutation::o_aliases_input: {
+      const std::vector<T>* bufs[3] = {&q.buf, &k.buf, &v.buf};
+      const std::vector<T>& in = *bufs[r.below(3)];
+      ov.data = const_cast<T*>(in.data()) + r.below(static_cast<index_t>(in.size()));
+      valid = false;
+      break;
+    }
+    case mutation::lse_aliases:
+      if (r.below(2)) lse = reinterpret_cast<float*>(o.buf.data());
+      else lse = reinterpret_cast<float*>(const_cast<T*>(v.buf.data()));
+      valid = false;
+      break;
+    case mutation::o_rows_overlap: {
+      index_t* st[3] = {&ov.stride.b, &ov.stride.h, &ov.stride.s};
+      const index_t ext[3] = {p.batch, p.heads, p.seq_q};
+      const int axis = static_cast<int>(r.below(3));
+      for (int a = 0; a < 3; ++a) {
+        const int ax = (axis + a) % 3;
+        if (ext[ax] > 1) {
+          *st[ax] = 0;  // two indices of this axis share a row
+          valid = false;
+          break;
+        }
+      }
+      break;
+    }
+    case mutation::bad_threads: threads_c = -static_cast<int>(r.below(3)); valid = false; break;
+    case mutation::bad_scale: {
+      // 1e300 is a valid scale for double accumulation (not fuzzed: its logits overflow), invalid for float.
+      static constexpr double bad[] = {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
+                                       std::numeric_limits<double>::infinity(), 1e300};
+      const double s = bad[r.below(5)];
+      if (!(s == 1e300 && std::is_same_v<accum_t<T>, double>)) {
+        pc.scale = s;
+        valid = false;
+      }
+      break;
+    }
+    case mutation::bad_window: mask = window{-1 - r.below(5), r.below(5), al}; valid = false; break;
+    case mutation::head_dim_too_large: pc.head_dim = max_head_dim + 1 + r.below(100); valid = false; break;
+    case mutation::heads_not_multiple:  // if heads_kv + 1 still divides heads, K's extents mismatch instead
+      pc.heads_kv = p.heads_kv + 1;
+      valid = false;
+      break;
+    case mutation::offset_overflow: {
+      tensor_ref<const T>* ins[3] = {&qv, &kv, &vv};
+      auto* t = ins[r.below(3)];
+      const index_t ext[3] = {t->dims.b, t->dims.h, t->dims.s};
+      index_t* st[3] = {&t->stride.b, &t->stride.h, &t->stride.s};
+      for (int a = 0; a < 3; ++a)
+        if (ext[a] > 1) {
+          // The last row's element offset, or its byte offset, no longer fits in 64 bits.
+          const index_t limit = r.below(2) ? std::numeric_limits<index_t>::max()
+                                           : std::numeric_limits<index_t>::max() / static_cast<index_t>(sizeof(T));
+          const index_t per = limit / (ext[a] - 1);
+          *st[a] = per == std::numeric_limits<index_t>::max() ? per : per + 1;
+          valid = false;
+          break;
+        }
+      break;
+    }
+    case mutation::bad_alignment: mask = causal{static_cast<align>(2 + r.below(3))}; valid = false; break;
+    default: break;
+  }
+
+  std::vector<std::vector<T>*> watched = {&q.buf, &k.buf, &v.buf};
+  for_each_cpu_policy([&](auto pol) {
+    pol.threads = threads_c;
+    set_tiles(pol, tiles);
+    run_policy<T>(pol, pc, qv, kv, vv, ov, mask, lse, valid, watched, want_lse ? &lse_buf : nullptr, o);
+  });
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  byte_reader r(data, size);
+  switch (r.below(4)) {
+    case 0: fuzz_one<float>(r); break;
+    case 1: fuzz_one<double>(r); break;
+    case 2: fuzz_one<Eigen::half>(r); break;
+    default: fuzz_one<Eigen::bfloat16>(r); break;
+  }
+  return 0;
+}
