@@ -40,7 +40,7 @@ double fma_peak_flops() {
     best = std::max(best, 2.0 * batch::size * chains * double(iters) / s);
   }
   float sink = 0;
-  for (int c = 0; c < chains; ++c) sink += xsimd::reduce_add(acc[c]);
+  for (int c = 0; c < chains; ++c) sink += xsimd::hadd(acc[c]);
   if (sink == 42.0f) std::printf(" ");  // keeps the loop alive
   return best;
 }

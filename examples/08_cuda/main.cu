@@ -12,7 +12,7 @@
 #include <fusedattn/fusedattn.hpp>
 
 namespace fa = fusedattn;
-using half = Eigen::half;
+using f16 = Eigen::half;  // cuda_fp16.h already names a type `half`
 
 int main() {
   int devices = 0;
@@ -25,21 +25,21 @@ int main() {
   const std::size_t n = static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim);
   std::mt19937 rng(8);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<half> q(n), k(n), v(n), o(n);
+  std::vector<f16> q(n), k(n), v(n), o(n);
   for (auto* buf : {&q, &k, &v})
-    for (half& x : *buf) x = half(u(rng));
+    for (f16& x : *buf) x = f16(u(rng));
 
-  half *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
-  for (half** ptr : {&dq, &dk, &dv, &dout}) cudaMalloc(ptr, n * sizeof(half));
-  cudaMemcpy(dq, q.data(), n * sizeof(half), cudaMemcpyHostToDevice);
-  cudaMemcpy(dk, k.data(), n * sizeof(half), cudaMemcpyHostToDevice);
-  cudaMemcpy(dv, v.data(), n * sizeof(half), cudaMemcpyHostToDevice);
+  f16 *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
+  for (f16** ptr : {&dq, &dk, &dv, &dout}) cudaMalloc(ptr, n * sizeof(f16));
+  cudaMemcpy(dq, q.data(), n * sizeof(f16), cudaMemcpyHostToDevice);
+  cudaMemcpy(dk, k.data(), n * sizeof(f16), cudaMemcpyHostToDevice);
+  cudaMemcpy(dv, v.data(), n * sizeof(f16), cudaMemcpyHostToDevice);
   cudaStream_t stream;
   cudaStreamCreate(&stream);
 
   const auto call = [&] {
-    return fa::attend(fa::policy::cuda{stream}, p, fa::bhsd<const half>(dq, p.q_dims()),
-                      fa::bhsd<const half>(dk, p.kv_dims()), fa::bhsd<const half>(dv, p.kv_dims()),
+    return fa::attend(fa::policy::cuda{stream}, p, fa::bhsd<const f16>(dq, p.q_dims()),
+                      fa::bhsd<const f16>(dk, p.kv_dims()), fa::bhsd<const f16>(dv, p.kv_dims()),
                       fa::bhsd(dout, p.o_dims()), fa::causal{});
   };
   if (const fa::status st = call(); !st) {
@@ -57,7 +57,7 @@ int main() {
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);
   ms /= 20;
-  cudaMemcpy(o.data(), dout, n * sizeof(half), cudaMemcpyDeviceToHost);
+  cudaMemcpy(o.data(), dout, n * sizeof(f16), cudaMemcpyDeviceToHost);
 
   // Float64 check of a few causal rows of heads 0 and 31.
   double err = 0;
@@ -84,7 +84,7 @@ int main() {
   const double flop = 4.0 * p.batch * p.heads * d * (double(s) * (s + 1) / 2);  // causal: half the scores
   std::printf("CUDA flash, (1,32,2048,128) f16 causal: %.1f us, %.1f TFLOP/s; max error vs float64 %.2g\n",
               ms * 1e3, flop / (ms * 1e-3) * 1e-12, err);
-  for (half* ptr : {dq, dk, dv, dout}) cudaFree(ptr);
+  for (f16* ptr : {dq, dk, dv, dout}) cudaFree(ptr);
   cudaStreamDestroy(stream);
   const bool ok = err < 2e-3;  // f16 output: a few units of its rounding (2^-11 relative)
   std::printf("%s\n", ok ? "OK" : "MISMATCH");
