@@ -15,6 +15,10 @@
 #include "../kernels/naive.hpp"
 #include "policy.hpp"
 
+#if FUSEDATTN_WITH_CUDA
+#include "../backends/cuda/attend_cuda.cuh"
+#endif
+
 namespace fusedattn {
 
 /// A mask chosen at run time.
@@ -39,11 +43,15 @@ status run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<cons
 }
 
 #if !FUSEDATTN_WITH_CUDA
+// Its own inline namespace, so a program that mixes translation units with and without the backend has two
+// distinct functions instead of one name with two bodies.
+inline namespace cuda_off {
 template <class T, class Bound>
 status run(const policy::cuda&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
            const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
   return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
 }
+}  // namespace cuda_off
 #endif
 
 #if !FUSEDATTN_WITH_ASCEND

@@ -66,9 +66,17 @@ using cpu_avx512 = cpu<xsimd::avx512f>;
 using cpu_neon = cpu<xsimd::neon64>;
 #endif
 
+/// Which CUDA kernel `policy::cuda` runs.
+enum class cuda_kernel {
+  automatic,  ///< flash where it applies (f16/bf16, head_dim 64 or 128, 16-byte aligned rows), else naive
+  flash,      ///< the fused tensor-core kernel; errc::unsupported where it does not apply
+  naive,      ///< the three-pass pipeline: cuBLAS Q·Kᵀ, softmax over the materialised scores, cuBLAS P·V
+};
+
 /// The CUDA backend. `stream` is a cudaStream_t (nullptr: the default stream); pointers must be device memory.
 struct cuda {
   void* stream = nullptr;
+  cuda_kernel kernel = cuda_kernel::automatic;
 };
 
 /// The Ascend shim. `stream` is an aclrtStream.

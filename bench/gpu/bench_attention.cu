@@ -1,0 +1,302 @@
+// Times fusedattn's CUDA kernels (flash with its default tile and alternative tiles, the naive three-pass pipeline)
+// with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
+// file given as argv[1] (default: stdout); a short table to stdout. Shapes: docs/PERFORMANCE.md, CUDA section.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fusedattn/fusedattn.hpp>
+
+namespace fa = fusedattn;
+namespace cb = fusedattn::cuda_backend;
+
+namespace {
+
+#define BENCH_CHECK(call)                                                                            \
+  do {                                                                                               \
+    const cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+/// Fills n values with a hash of the index and a seed, uniform in [-1, 1] (never zeros).
+template <class E>
+__global__ void fill_random(E* x, fa::index_t n, unsigned seed) {
+  for (fa::index_t i = blockIdx.x * fa::index_t(blockDim.x) + threadIdx.x; i < n; i += fa::index_t(gridDim.x) * blockDim.x) {
+    unsigned h = unsigned(i) * 2654435761u ^ seed * 2246822519u ^ unsigned(i >> 32) * 3266489917u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = cb::narrow<E>(float(h) * (2.0f / 4294967295.0f) - 1.0f);
+  }
+}
+
+struct shape {
+  int b, h, s, d;
+  bool causal;
+};
+
+/// Visited score entries (the FLOP count uses them): all for dense, the lower triangle for causal.
+double flops(const shape& c) {
+  const fa::problem p{c.b, c.h, c.h, c.s, c.s, c.d};
+  const fa::band_mask m = c.causal ? fa::bind(fa::causal{}, p) : fa::bind(fa::dense{}, p);
+  return 4.0 * c.b * c.h * double(m.allowed_count()) * c.d;
+}
+
+/// Device buffers of `sets` input sets (Q, K, V) and one O, bhsd.
+template <class T>
+struct operands {
+  using E = cb::device_t<T>;
+  fa::problem p;
+  int sets;
+  std::vector<E*> q, k, v;
+  E* o = nullptr;
+  float* lse = nullptr;
+  operands(const shape& c, int sets_) : p{c.b, c.h, c.h, c.s, c.s, c.d}, sets(sets_) {
+    const fa::index_t n = fa::index_t(c.b) * c.h * c.s * c.d;
+    for (int i = 0; i < sets; ++i) {
+      E* x[3];
+      for (int j = 0; j < 3; ++j) {
+        BENCH_CHECK(cudaMalloc(&x[j], n * sizeof(E)));
+        fill_random<<<1024, 256>>>(x[j], n, unsigned(17 * i + j + 1));
+      }
+      q.push_back(x[0]);
+      k.push_back(x[1]);
+      v.push_back(x[2]);
+    }
+    BENCH_CHECK(cudaMalloc(&o, n * sizeof(E)));
+    BENCH_CHECK(cudaMalloc(&lse, fa::index_t(c.b) * c.h * c.s * sizeof(float)));
+    BENCH_CHECK(cudaDeviceSynchronize());
+  }
+  ~operands() {
+    for (int i = 0; i < sets; ++i) {
+      cudaFree(q[i]);
+      cudaFree(k[i]);
+      cudaFree(v[i]);
+    }
+    cudaFree(o);
+    cudaFree(lse);
+  }
+  fa::tensor_ref<const T> view(const E* x) const { return fa::bhsd(reinterpret_cast<const T*>(x), p.q_dims()); }
+  fa::tensor_ref<T> out() const { return fa::bhsd(reinterpret_cast<T*>(o), p.o_dims()); }
+};
+
+/// Median time in ms of `run(set)` over rotating sets: 3 warm-up calls, then repetitions until ~300 ms or 100 runs.
+template <class Run>
+double median_ms(Run run, int sets) {
+  cudaEvent_t start, stop;
+  BENCH_CHECK(cudaEventCreate(&start));
+  BENCH_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) run(i % sets);
+  BENCH_CHECK(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  float total = 0;
+  for (int i = 0; i < 100 && (i < 10 || total < 300.f); ++i) {
+    BENCH_CHECK(cudaEventRecord(start));
+    run(i % sets);
+    BENCH_CHECK(cudaEventRecord(stop));
+    BENCH_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+    total += t;
+  }
+  BENCH_CHECK(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+FILE* json = stdout;
+
+void report(const char* dtype, const shape& c, const std::string& kernel, double ms) {
+  const double tflops = flops(c) / (ms * 1e-3) / 1e12;
+  std::fprintf(json,
+               "{\"dtype\":\"%s\",\"b\":%d,\"h\":%d,\"s\":%d,\"d\":%d,\"mask\":\"%s\",\"kernel\":\"%s\",\"ms\":%.5f,"
+               "\"tflops\":%.2f}\n",
+               dtype, c.b, c.h, c.s, c.d, c.causal ? "causal" : "dense", kernel.c_str(), ms, tflops);
+  std::fflush(json);
+  std::printf("%-5s (%d,%2d,%5d,%3d) %-6s %-22s %9.3f ms %7.1f TFLOP/s\n", dtype, c.b, c.h, c.s, c.d,
+              c.causal ? "causal" : "dense", kernel.c_str(), ms, tflops);
+}
+
+#if FUSEDATTN_BENCH_TILE_SWEEP
+/// Σ (a − b)² and Σ b² over n values, accumulated in sums[0], sums[1].
+template <class E>
+__global__ void squared_difference(const E* a, const E* b, fa::index_t n, double* sums) {
+  double d2 = 0, b2 = 0;
+  for (fa::index_t i = blockIdx.x * fa::index_t(blockDim.x) + threadIdx.x; i < n; i += fa::index_t(gridDim.x) * blockDim.x) {
+    const double x = cb::widen(a[i]), y = cb::widen(b[i]);
+    d2 += (x - y) * (x - y);
+    b2 += y * y;
+  }
+  atomicAdd(&sums[0], d2);
+  atomicAdd(&sums[1], b2);
+}
+
+/// ‖a − b‖ / ‖b‖ of two device arrays.
+template <class E>
+double relative_difference(const E* a, const E* b, fa::index_t n) {
+  double* sums = nullptr;
+  BENCH_CHECK(cudaMalloc(&sums, 2 * sizeof(double)));
+  BENCH_CHECK(cudaMemset(sums, 0, 2 * sizeof(double)));
+  squared_difference<<<512, 256>>>(a, b, n, sums);
+  double h[2] = {0, 0};
+  BENCH_CHECK(cudaMemcpy(h, sums, sizeof(h), cudaMemcpyDeviceToHost));
+  cudaFree(sums);
+  return std::sqrt(h[0] / h[1]);
+}
+
+/// Times one flash tile on a shape (launch_flash directly: the alternatives the heuristic chose between).
+/// One call of the default flash on the last input set (output in x.o).
+template <class T>
+void time_default_once(const shape& c, operands<T>& x) {
+  const int i = x.sets - 1;
+  const fa::status st = c.causal ? fa::attend(fa::policy::cuda{nullptr, fa::policy::cuda_kernel::flash}, x.p, x.view(x.q[i]),
+                                              x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::causal{}, x.lse)
+                                 : fa::attend(fa::policy::cuda{nullptr, fa::policy::cuda_kernel::flash}, x.p, x.view(x.q[i]),
+                                              x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::dense{}, x.lse);
+  if (!st) std::exit(1);
+  BENCH_CHECK(cudaDeviceSynchronize());
+}
+
+template <class T, class Tile>
+void time_tile(const shape& c, operands<T>& x, const char* label) {
+  using E = cb::device_t<T>;
+  const fa::band_mask m = c.causal ? fa::bind(fa::causal{}, x.p) : fa::bind(fa::dense{}, x.p);
+  const fa::strides4 st = x.out().stride;
+  const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
+  const auto run = [&](int i) {
+    const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m, 1, nullptr, nullptr};
+    if (!cb::launch_flash<E, Tile>(fp, nullptr)) std::exit(1);
+  };
+  const double ms = median_ms(run, x.sets);
+  run(x.sets - 1);
+  report(fa::scalar_name<T>(), c, std::string("flash ") + label, ms);
+  // The tile computes the same function as the default one: compare O of the last input set.
+  const fa::index_t n = fa::index_t(c.b) * c.h * c.s * c.d;
+  E* o_tile = nullptr;
+  BENCH_CHECK(cudaMalloc(&o_tile, n * sizeof(E)));
+  BENCH_CHECK(cudaMemcpy(o_tile, x.o, n * sizeof(E), cudaMemcpyDeviceToDevice));
+  time_default_once(c, x);
+  const double rel = relative_difference(o_tile, x.o, n);
+  cudaFree(o_tile);
+  std::printf("      %s vs default tile: relative difference %.2e%s\n", label, rel, rel < 1e-2 ? "" : "  <-- MISMATCH");
+}
+#endif
+
+template <class T>
+void time_attend(const shape& c, operands<T>& x, fa::policy::cuda_kernel kernel, const char* label) {
+  const double ms = median_ms(
+      [&](int i) {
+        const fa::status st = c.causal ? fa::attend(fa::policy::cuda{nullptr, kernel}, x.p, x.view(x.q[i]), x.view(x.k[i]),
+                                                    x.view(x.v[i]), x.out(), fa::causal{}, x.lse)
+                                       : fa::attend(fa::policy::cuda{nullptr, kernel}, x.p, x.view(x.q[i]), x.view(x.k[i]),
+                                                    x.view(x.v[i]), x.out(), fa::dense{}, x.lse);
+        if (!st) {
+          std::fprintf(stderr, "attend: %s\n", st.what());
+          std::exit(1);
+        }
+      },
+      x.sets);
+  report(fa::scalar_name<T>(), c, label, ms);
+}
+
+/// Input sets so that one pass over all of them (~ 3·n·sizeof each) exceeds the L2 several times.
+int sets_for(const shape& c, int elem) {
+  const double bytes = 3.0 * c.b * c.h * c.s * c.d * elem;
+  const double l2_x4 = 4 * 60e6;
+  return std::max(1, std::min(4, int(std::ceil(l2_x4 / bytes))));
+}
+
+template <class T>
+void flash_suite(const shape& c) {
+  operands<T> x(c, sets_for(c, 2));
+  time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
+#if FUSEDATTN_BENCH_TILE_SWEEP
+  if (c.d == 128) {
+    time_tile<T, cb::flash_tile<128, 4, 64>>(c, x, "w4 n64 r16");
+    time_tile<T, cb::flash_tile<128, 4, 64, 32>>(c, x, "w4 n64 r32");
+    time_tile<T, cb::flash_tile<128, 4, 32, 32>>(c, x, "w4 n32 r32");
+    time_tile<T, cb::flash_tile<128, 8, 64>>(c, x, "w8 n64 r16");
+  } else {
+    time_tile<T, cb::flash_tile<64, 4, 128>>(c, x, "w4 n128 r16");
+    time_tile<T, cb::flash_tile<64, 4, 64, 32>>(c, x, "w4 n64 r32");
+    time_tile<T, cb::flash_tile<64, 4, 128, 32>>(c, x, "w4 n128 r32");
+  }
+#endif
+}
+
+template <class T>
+void fusion_suite(const shape& c) {
+  operands<T> x(c, sets_for(c, 2));
+  time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash");
+  time_attend<T>(c, x, fa::policy::cuda_kernel::naive, "naive 3-pass");
+}
+
+/// Decode: s_q = 1 against a long key cache (split-KV path), flash beside naive; memory-bound, so GB/s of K and V.
+template <class T>
+void decode_suite(int b, int h, int s_kv, int d) {
+  using E = cb::device_t<T>;
+  const fa::problem p{b, h, h, 1, s_kv, d};
+  const fa::index_t n_q = fa::index_t(b) * h * d, n_kv = fa::index_t(b) * h * s_kv * d;
+  E *q, *k, *v, *o;
+  BENCH_CHECK(cudaMalloc(&q, n_q * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&k, n_kv * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&v, n_kv * sizeof(E)));
+  BENCH_CHECK(cudaMalloc(&o, n_q * sizeof(E)));
+  fill_random<<<1024, 256>>>(q, n_q, 7u);
+  fill_random<<<1024, 256>>>(k, n_kv, 8u);
+  fill_random<<<1024, 256>>>(v, n_kv, 9u);
+  const auto qv = fa::bhsd(reinterpret_cast<const T*>(q), p.q_dims());
+  const auto kv = fa::bhsd(reinterpret_cast<const T*>(k), p.kv_dims());
+  const auto vv = fa::bhsd(reinterpret_cast<const T*>(v), p.kv_dims());
+  const auto ov = fa::bhsd(reinterpret_cast<T*>(o), p.o_dims());
+  for (auto kernel : {fa::policy::cuda_kernel::flash, fa::policy::cuda_kernel::naive}) {
+    const double ms = median_ms(
+        [&](int) {
+          if (!fa::attend(fa::policy::cuda{nullptr, kernel}, p, qv, kv, vv, ov, fa::causal{fa::align::bottom_right}))
+            std::exit(1);
+        },
+        1);
+    const double gbps = 2.0 * n_kv * sizeof(E) / (ms * 1e-3) / 1e9;
+    std::fprintf(json, "{\"dtype\":\"%s\",\"b\":%d,\"h\":%d,\"s_q\":1,\"s\":%d,\"d\":%d,\"mask\":\"causal_br\",\"kernel\":\"decode %s\",\"ms\":%.5f,\"gbps\":%.1f}\n",
+                 fa::scalar_name<T>(), b, h, s_kv, d, kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+    std::printf("%-5s decode b=%d h=%d s_kv=%d d=%d %-6s %9.4f ms %8.1f GB/s of K+V\n", fa::scalar_name<T>(), b, h, s_kv, d,
+                kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+  }
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(o);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1) json = std::fopen(argv[1], "w");
+  if (json == nullptr) return 1;
+  cudaDeviceProp prop{};
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const shape main_shapes[] = {{1, 32, 2048, 128, false}, {1, 32, 2048, 128, true},  {2, 16, 8192, 128, false},
+                               {2, 16, 8192, 128, true},  {1, 16, 16384, 128, false}, {1, 16, 16384, 128, true},
+                               {4, 32, 4096, 64, false},  {4, 32, 4096, 64, true},    {1, 32, 1024, 128, false}};
+  for (const shape& c : main_shapes) {
+    flash_suite<Eigen::half>(c);
+    flash_suite<Eigen::bfloat16>(c);
+  }
+  for (int s : {128, 512, 1024, 4096}) {
+    fusion_suite<Eigen::half>({1, 32, s, 128, false});
+    fusion_suite<Eigen::half>({1, 32, s, 128, true});
+  }
+  decode_suite<Eigen::half>(1, 32, 32768, 128);
+  decode_suite<Eigen::half>(8, 32, 8192, 128);
+  decode_suite<Eigen::bfloat16>(4, 16, 16384, 64);
+  return 0;
+}

@@ -1,0 +1,430 @@
+/// @file flash.cuh
+/// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
+/// bf16, head_dim 64 and 128, every band mask, GQA/MQA and any sequence lengths. Not the dispatch (attend_cuda.cuh).
+///
+/// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 or 32 of them. The block walks
+/// the key tiles the mask's kv_range allows, `block_n` keys at a time:
+///   S = Q·Kᵀ            (warp: 16 or 32 × block_n, Q fragments from registers or shared memory, K from shared)
+///   S = −inf where the mask forbids (only on tiles is_partial reports)
+///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
+///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
+/// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
+/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: V of tile t streams in during Q·Kᵀ of tile t,
+/// K of tile t + 1 during P·V of tile t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
+/// the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "../../core/status.hpp"
+#include "../../core/tensor.hpp"
+#include "../../kernels/mask.hpp"
+#include "device_types.cuh"
+#include "error.cuh"
+#include "mma.cuh"
+
+namespace fusedattn {
+namespace cuda_backend {
+
+/// Everything one flash launch needs, by value. Strides are in elements.
+struct flash_params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  ///< [b][h][s_q] or nullptr
+  strides4 q_stride, k_stride, v_stride, o_stride;
+  int batch, heads, group, seq_q, seq_kv;
+  float scale_log2;  ///< softmax scale · log2(e)
+  band_mask mask;
+  /// Split-KV (decode): `splits` > 1 cuts each block's key tiles into that many parts, grid.z = batch · splits; part
+  /// s writes its normalised O in f32 to o_part[s][b][h][i][:] and its lse to lse_part[s][b][h][i], and
+  /// flash_merge_kernel combines them. With splits = 1 both are unused and O, lse are written directly.
+  int splits;
+  float* o_part;
+  float* lse_part;
+};
+
+/// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
+/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles.
+template <int HeadDim, int Warps, int BlockN, int WarpRows = 16>
+struct flash_tile {
+  static constexpr int head_dim = HeadDim;
+  static constexpr int warps = Warps;
+  static constexpr int threads = 32 * Warps;
+  static constexpr int m_tiles = WarpRows / 16;     ///< 16-row mma tiles per warp
+  static constexpr int block_m = WarpRows * Warps;  ///< query rows per block
+  static constexpr int block_n = BlockN;            ///< keys per tile
+  static constexpr int chunks = HeadDim / 8;        ///< 16-byte chunks per row
+  static constexpr int smem_elems = (block_m + 2 * block_n) * HeadDim;  ///< Q, K and V tiles
+  /// One 16-row tile keeps its Q fragments in registers; two re-read them from shared memory (register budget).
+  static constexpr bool q_in_registers = WarpRows == 16;
+  static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
+  static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
+  static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
+};
+
+/// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
+/// the 8 rows one ldmatrix phase reads (same logical chunk) fall in 8 different bank groups.
+template <int Chunks>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * (Chunks * 8) + ((chunk ^ (row & 7)) << 3);
+}
+
+/// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory;
+/// rows at and past `valid` are zero-filled (never read).
+template <class Tile, int Rows, class E>
+__device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s, int valid) {
+  for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
+    const int r = c / Tile::chunks, ch = c % Tile::chunks;
+    const bool ok = r < valid;
+    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
+  }
+}
+
+template <class E, class Tile>
+__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params p) {
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
+  constexpr float neg_inf = -INFINITY;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
+  E* sk = sq + BM * D;                     // [BN][D] swizzled
+  E* sv = sk + BN * D;                     // [BN][D] swizzled
+
+  // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
+  const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits, h_kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
+
+  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t.
+  const int q0 = m_block * BM;
+  const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile; m-tile mt covers 16 rows from +16·mt
+  int mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mq0[mt] = q0 + warp_row + 16 * mt;
+    mq1[mt] = mq0[mt] + 16 < p.seq_q ? mq0[mt] + 16 : p.seq_q;
+    row[mt][0] = mq0[mt] + g;
+    row[mt][1] = mq0[mt] + g + 8;
+  }
+
+  const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+
+  const kv_span range = p.mask.kv_range(q0, q1);
+  // Key tiles [k_first, k_end) in steps of BN; a split takes an equal share of whole tiles.
+  int k_end = int(range.end);
+  int k_first = range.empty() ? k_end : int(range.begin / BN) * BN;
+  if (p.splits > 1) {
+    const int tiles = (k_end - k_first + BN - 1) / BN;
+    const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
+    k_first = first;
+    k_end = last < k_end ? last : k_end;
+  }
+  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
+
+  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
+  if (k_first < k_end)
+    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Q fragments (16 × 16 A tiles): all of head_dim kept in registers for one m-tile, else re-read per k-step.
+  std::uint32_t q_frag[Tile::q_in_registers ? D / 16 : 1][4];
+  if constexpr (Tile::q_in_registers) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], sq + swizzle<CH>(warp_row + lane % 16, kk * 2 + lane / 16));
+  }
+
+  float acc[MT][D / 8][4];  // O of each m-tile, 16 rows × D, as D/8 accumulator tiles of 16 × 8
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+  float m_run[MT][2], l_run[MT][2];  // running max of scale·log2(e)·s; this thread's part of the running sum
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
+
+  for (int k0 = k_first; k0 < k_end; k0 += BN) {
+    // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
+    load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+    cp_async_commit();
+
+    // S (16 × BN per m-tile) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles,
+    // used by every m-tile.
+    float s[MT][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Tile::q_in_registers) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[kk][i];
+        } else {
+          ldmatrix_x4(a[mt], sq + swizzle<CH>(warp_row + 16 * mt + lane % 16, kk * 2 + lane / 16));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        std::uint32_t kf[4];
+        ldmatrix_x4(kf, sk + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<E>(s[mt][2 * np], a[mt], kf[0], kf[1]);
+          mma_16816<E>(s[mt][2 * np + 1], a[mt], kf[2], kf[3]);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      // Per-element mask, only where the tile crosses the band edge or the end of the keys.
+      if (p.mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!p.mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
+      }
+
+      // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_run[mt][r];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]) * p.scale_log2);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
+        const float alpha = fast_exp2(m_run[mt][r] - m_use);
+        m_run[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[mt][n][e] = fast_exp2(fmaf(s[mt][n][e], p.scale_log2, -m_use));
+            sum += s[mt][n][e];
+          }
+        l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          acc[mt][n][2 * r] *= alpha;
+          acc[mt][n][2 * r + 1] *= alpha;
+        }
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V landed; every warp is done with this K tile
+    if (k0 + BN < k_end) {
+      load_tile<Tile, BN>(sk, k_head + (k0 + BN) * p.k_stride.s, p.k_stride.s, rows_left(k0 + BN, p.seq_kv, BN));
+      cp_async_commit();
+    }
+
+    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A
+    // fragment; one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = mma_type<E>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = mma_type<E>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = mma_type<E>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = mma_type<E>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t vf[4];
+        ldmatrix_x4_trans(vf, sv + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
+          mma_16816<E>(acc[mt][2 * dp + 1], a[mt], vf[2], vf[3]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next K tile landed; every warp is done with this V tile
+  }
+
+  // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
+  // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks;
+  // a split writes its part in f32 straight from the accumulators instead.
+  constexpr float ln2 = 0.69314718055994531f;
+  if (p.splits > 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = l_run[mt][r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        if (row[mt][r] >= p.seq_q) continue;
+        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row[mt][r];
+        if (t == 0) p.lse_part[part_row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * t) =
+              make_float2(acc[mt][n][2 * r] * inv_l, acc[mt][n][2 * r + 1] * inv_l);
+      }
+    return;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      if (p.lse != nullptr && t == 0 && row[mt][r] < p.seq_q)
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[mt][r]] =
+            l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+      if constexpr (!Tile::q_in_registers) __syncwarp();  // this warp's Q reads are done before O overwrites them
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<std::uint32_t*>(sq + swizzle<CH>(warp_row + 16 * mt + g + 8 * r, n) + 2 * t) =
+            mma_type<E>::pack(acc[mt][n][2 * r] * inv_l, acc[mt][n][2 * r + 1] * inv_l);
+    }
+  __syncthreads();
+  for (int c = threadIdx.x; c < BM * CH; c += Tile::threads) {
+    const int r = c / CH, ch = c % CH;
+    if (q0 + r < p.seq_q)
+      *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
+          *reinterpret_cast<const uint4*>(sq + swizzle<CH>(r, ch));
+  }
+}
+
+/// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim:
+///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
+/// (a row no part saw gets O = 0, lse = −inf).
+template <class E>
+__global__ void flash_merge_kernel(const flash_params p, int head_dim) {
+  const index_t r = blockIdx.x, rows = index_t(p.batch) * p.heads * p.seq_q;
+  const int i = int(r % p.seq_q), h = int((r / p.seq_q) % p.heads), b = int(r / (index_t(p.seq_q) * p.heads));
+  float m = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.lse_part[s * rows + r]);
+  float w_sum = 0.f, o = 0.f;
+  if (m != -INFINITY)
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = __expf(p.lse_part[s * rows + r] - m);
+      w_sum += w;
+      if (threadIdx.x < unsigned(head_dim)) o += w * p.o_part[(s * rows + r) * head_dim + threadIdx.x];
+    }
+  E* o_row = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
+  if (threadIdx.x < unsigned(head_dim)) o_row[threadIdx.x] = narrow<E>(w_sum > 0.f ? o / w_sum : 0.f);
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[r] = w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
+}
+
+/// Number of key splits for a launch of `blocks` blocks over `kv_tiles` key tiles: split only decode-like calls
+/// (one q-block per head) that leave the GPU under-filled, into parts of at least two tiles, so that about two
+/// blocks run per multiprocessor.
+inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int multiprocessors) {
+  constexpr index_t blocks_per_sm = 2, min_tiles_per_split = 2, max_splits = 64;  // flash_grid_fits relies on 64
+  if (q_blocks > 1 || blocks >= blocks_per_sm * multiprocessors) return 1;
+  index_t splits = (blocks_per_sm * multiprocessors + blocks - 1) / blocks;
+  if (splits > kv_tiles / min_tiles_per_split) splits = kv_tiles / min_tiles_per_split;
+  if (splits > max_splits) splits = max_splits;
+  return splits > 1 ? int(splits) : 1;
+}
+
+/// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
+/// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
+/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles).
+template <int HeadDim>
+struct flash_default_tile;
+template <>
+struct flash_default_tile<64> {
+  using type = flash_tile<64, 4, 128, 32>;
+};
+template <>
+struct flash_default_tile<128> {
+  using type = flash_tile<128, 4, 64, 32>;
+};
+
+/// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and
+/// batch strides that are multiples of 8 elements.
+template <class T>
+bool flash_aligned(const tensor_ref<T>& t) {
+  constexpr index_t vec = 16 / index_t(sizeof(T));
+  return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.stride.s % vec == 0 && t.stride.h % vec == 0 &&
+         t.stride.b % vec == 0;
+}
+
+/// Launches one flash instantiation (plus the merge of split-KV parts when the call is decode-like). `E` is the
+/// device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part` are filled in here.
+template <class E, class Tile>
+status launch_flash(flash_params p, cudaStream_t stream) {
+  const auto kernel = flash_forward_kernel<E, Tile>;
+  const int smem = Tile::smem_elems * int(sizeof(E));
+  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                            "cudaFuncSetAttribute(flash_forward_kernel)");
+      !st)
+    return st;
+  int device = 0, multiprocessors = 0;
+  if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
+  if (status st = from_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+                            "cudaDeviceGetAttribute(multiprocessors)");
+      !st)
+    return st;
+  const index_t q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m;
+  p.splits = flash_splits(q_blocks, q_blocks * p.heads * p.batch, (p.seq_kv + Tile::block_n - 1) / Tile::block_n,
+                          multiprocessors);
+  p.o_part = p.lse_part = nullptr;
+  const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
+  if (p.splits > 1) {
+    if (status st = from_cuda(cudaMallocAsync(&p.o_part, sizeof(float) * p.splits * rows * Tile::head_dim, stream),
+                              "cudaMallocAsync(split-KV parts of O)");
+        !st)
+      return st;
+    if (status st = from_cuda(cudaMallocAsync(&p.lse_part, sizeof(float) * p.splits * rows, stream),
+                              "cudaMallocAsync(split-KV parts of lse)");
+        !st) {
+      cudaFreeAsync(p.o_part, stream);
+      return st;
+    }
+  }
+  const dim3 grid(unsigned(q_blocks), p.heads, p.batch * p.splits);
+  kernel<<<grid, Tile::threads, smem, stream>>>(p);
+  if (p.splits == 1) return last_launch("flash_forward_kernel");
+  const status launched = last_launch("flash_forward_kernel");
+  if (launched) flash_merge_kernel<E><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);
+  const status merged = launched ? last_launch("flash_merge_kernel") : launched;
+  cudaFreeAsync(p.o_part, stream);
+  cudaFreeAsync(p.lse_part, stream);
+  return merged;
+}
+
+/// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
+inline status flash_grid_fits(const problem& p) {
+  constexpr index_t max_yz = 65535, max_seq = index_t(1) << 30;  // row + tile arithmetic stays inside int
+  constexpr index_t max_splits = 64;                                // flash_splits' bound: grid.z = batch · splits
+  if (p.heads > max_yz) return {errc::unsupported, "problem.heads is " + std::to_string(p.heads) + "; CUDA flash takes at most 65535"};
+  if (p.batch > max_yz / max_splits)
+    return {errc::unsupported, "problem.batch is " + std::to_string(p.batch) + "; CUDA flash takes at most 1023"};
+  if (p.batch * p.heads * p.seq_q > max_seq)
+    return {errc::unsupported, "problem.batch * heads * seq_q exceeds 2^30, the CUDA flash limit"};
+  if (p.seq_q > max_seq || p.seq_kv > max_seq)
+    return {errc::unsupported, "problem.seq_q/seq_kv exceed 2^30, the CUDA flash limit"};
+  return {};
+}
+
+}  // namespace cuda_backend
+}  // namespace fusedattn

@@ -1,0 +1,41 @@
+// attend(policy::cuda) instantiated by nvcc for the GPU tests (see gpu_entry.hpp).
+#include "gpu_entry.hpp"
+
+namespace fusedattn::testing::gpu {
+
+bool device_available(std::string& why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    why = std::string("no usable CUDA device: ") + cudaGetErrorString(e);
+    cudaGetLastError();
+    return false;
+  }
+  if (n == 0) {
+    why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+template <class T>
+status attend_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                   tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse) {
+  return attend(policy::cuda{nullptr, kernel}, p, q, k, v, o, mask, lse);
+}
+
+status synchronize() {
+  if (status st = cuda_backend::from_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !st) return st;
+  return cuda_backend::from_cuda(cudaGetLastError(), "a kernel");
+}
+
+#define FUSEDATTN_GPU_ENTRY(T)                                                                                 \
+  template status attend_cuda<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>, tensor_ref<const T>, \
+                                 tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);
+FUSEDATTN_GPU_ENTRY(Eigen::half)
+FUSEDATTN_GPU_ENTRY(Eigen::bfloat16)
+FUSEDATTN_GPU_ENTRY(float)
+FUSEDATTN_GPU_ENTRY(double)
+#undef FUSEDATTN_GPU_ENTRY
+
+}  // namespace fusedattn::testing::gpu

@@ -1,0 +1,56 @@
+/// @file gpu_entry.hpp
+/// The bridge of the GPU tests: `attend_cuda` is attend(policy::cuda{...}) compiled by nvcc in gpu_entry.cu, callable
+/// from the Catch2 files that g++ compiles; plus a device buffer and the device check. Not part of the library.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include <fusedattn/fusedattn.hpp>
+
+namespace fusedattn::testing::gpu {
+
+/// True when a CUDA device can run the tests; otherwise `why` says what is missing.
+bool device_available(std::string& why);
+
+/// attend(policy::cuda{nullptr, kernel}, ...) on device pointers; returns the launch status.
+template <class T>
+status attend_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                   tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse);
+
+/// cudaDeviceSynchronize (and the last error) as a status: where an asynchronous kernel fault shows.
+status synchronize();
+
+/// Device memory holding a copy of a host vector; copied back on request.
+template <class T>
+class device_buffer {
+ public:
+  explicit device_buffer(const std::vector<T>& host) : n_(host.size()) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes()) != cudaSuccess) ptr_ = nullptr;
+    if (ptr_ != nullptr) cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice);
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() { cudaFree(ptr_); }
+  T* data() const { return ptr_; }
+  bool ok() const { return ptr_ != nullptr; }
+  void copy_to(std::vector<T>& host) const { cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost); }
+
+ private:
+  std::size_t bytes() const { return n_ * sizeof(T); }
+  T* ptr_ = nullptr;
+  std::size_t n_;
+};
+
+/// The same view over a device copy of its buffer.
+template <class T, class U>
+tensor_ref<T> on_device(const tensor_ref<U>& host_view, const void* host_base, T* device_base) {
+  const auto offset = (reinterpret_cast<const char*>(host_view.data) - static_cast<const char*>(host_base)) /
+                      static_cast<std::ptrdiff_t>(sizeof(T));
+  return {device_base + offset, host_view.dims, host_view.stride};
+}
+
+}  // namespace fusedattn::testing::gpu

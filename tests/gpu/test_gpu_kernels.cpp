@@ -1,0 +1,232 @@
+// The CUDA kernels against the float64 oracle (copied back to the host): flash and naive × dtype × mask × tail
+// shapes × layouts, flash == naive on larger shapes, and the CUDA policy's error statuses.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gpu_entry.hpp"
+#include "support/check.hpp"
+
+using namespace fusedattn;
+using namespace fusedattn::testing;
+using fusedattn::policy::cuda_kernel;
+
+namespace {
+
+const char* kernel_name(cuda_kernel k) {
+  return k == cuda_kernel::flash ? "flash" : k == cuda_kernel::naive ? "naive" : "automatic";
+}
+
+/// ‖x − ref‖₂ / ‖ref‖₂ over every element of the view: a relative check that stays strict when |O| is small.
+template <class T>
+double relative_error(const tensor_ref<T>& o, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  const dims4 d = o.dims;
+  for (index_t b = 0; b < d.b; ++b)
+    for (index_t h = 0; h < d.h; ++h)
+      for (index_t i = 0; i < d.s; ++i)
+        for (index_t c = 0; c < d.d; ++c) {
+          const double x = static_cast<double>(o.row(b, h, i)[c]);
+          const double r = ref[static_cast<std::size_t>(((b * d.h + h) * d.s + i) * d.d + c)];
+          num += std::isnan(x) ? INFINITY : (x - r) * (x - r);
+          den += r * r;
+        }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+/// Bound on the relative error for a storage type, in units of its roundoff u = 2^-digits (f16 2^-11, bf16 2^-8):
+/// 4u for 16-bit types (P and O are each rounded to the type once); f32 and f64 sum hundreds of products and
+/// exponentials, so they get 128u of a far smaller u.
+template <class T>
+double relative_bound() {
+  const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
+  return (sizeof(T) == 2 ? 4.0 : 128.0) * u;
+}
+
+/// True when every element of `now` outside the view `v` (the gaps of a padded layout) equals `before`.
+template <class T>
+bool gaps_untouched(const tensor_ref<T>& v, const std::vector<T>& now, const std::vector<T>& before) {
+  std::vector<char> inside(now.size(), 0);
+  for (index_t b = 0; b < v.dims.b; ++b)
+    for (index_t h = 0; h < v.dims.h; ++h)
+      for (index_t i = 0; i < v.dims.s; ++i)
+        for (index_t c = 0; c < v.dims.d; ++c) inside[static_cast<std::size_t>(v.offset(b, h, i) + c)] = 1;
+  for (std::size_t e = 0; e < now.size(); ++e)
+    if (!inside[e] && static_cast<double>(now[e]) != static_cast<double>(before[e])) return false;
+  return true;
+}
+
+/// Outputs of one kernel run on the device for a case (O copied back into the case's host buffer).
+template <class T>
+std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask) {
+  const problem& p = c.p;
+  gpu::device_buffer<T> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
+  std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 123.0f);
+  gpu::device_buffer<float> lse_d(lse);
+  REQUIRE((q.ok() && k.ok() && v.ok() && o.ok() && lse_d.ok()));
+  const status st = gpu::attend_cuda<T>(kernel, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), q.data()),
+                                        gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), k.data()),
+                                        gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data()),
+                                        gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data()), mask, lse_d.data());
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const status sync = gpu::synchronize();
+  INFO(sync.what());
+  REQUIRE(sync.ok());
+  o.copy_to(c.o.buf);
+  lse_d.copy_to(lse);
+  return lse;
+}
+
+/// One kernel on a fresh random case against the float64 oracle: O (absolute tolerance of the CPU suite and a
+/// relative bound), lse, and the gaps of a padded O left alone.
+template <class T>
+void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  attention_case<T> c(p, l, rng);
+  INFO(kernel_name(kernel) << " " << scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " "
+                           << layout_name(l) << " seed=" << seed);
+  const std::vector<T> o_before = c.o.buf;
+  const std::vector<float> lse = run_on_device(kernel, c, mask);
+  const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, p)); }, mask);
+  const double err = max_abs_error(c.o.view, e.ref.o);
+  INFO("max error " << err << " tolerance " << e.tolerance);
+  CHECK(err <= e.tolerance);
+  const double rel = relative_error(c.o.view, e.ref.o);
+  INFO("relative error " << rel << " bound " << relative_bound<T>());
+  CHECK(rel <= relative_bound<T>());
+  const double lse_err = max_lse_error(lse, e.ref.lse);
+  INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance);
+  CHECK(lse_err <= e.lse_tolerance);
+  CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
+}
+
+/// Shapes for flash: head_dim 64 and 128 with every tail of its 64-row and 64/128-key tiles, s_q != s_kv both
+/// ways, seq 1, GQA and MQA.
+std::vector<problem> flash_shapes() {
+  return {
+      {1, 1, 1, 1, 1, 64},       {1, 2, 2, 7, 7, 128},     {2, 3, 3, 127, 127, 64},  {1, 2, 1, 128, 128, 128},
+      {1, 4, 2, 129, 300, 64},   {1, 2, 2, 1000, 1000, 128}, {1, 2, 2, 7, 1000, 128}, {1, 1, 1, 1000, 7, 64},
+      {2, 4, 1, 33, 65, 128},    {1, 1, 1, 1, 300, 64},    {1, 2, 1, 257, 191, 128}, {1, 2, 2, 520, 520, 64},
+  };
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eigen::half, Eigen::bfloat16) {
+  const auto shapes = flash_shapes();
+  const auto masks = all_masks();
+  const layout layouts[] = {layout::bhsd, layout::bshd};
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 12));
+  REQUIRE(shape_index < shapes.size());
+  for (std::size_t m = 0; m < masks.size(); ++m)
+    check_gpu<TestType>(cuda_kernel::flash, shapes[shape_index], layouts[(shape_index + m) % 2], masks[m]);
+}
+
+TEMPLATE_TEST_CASE("cuda naive matches the float64 oracle", "[gpu][naive]", float, double, Eigen::half,
+                   Eigen::bfloat16) {
+  const auto shapes = tail_shapes();
+  const auto masks = all_masks();
+  const layout layouts[] = {layout::bhsd, layout::bshd, layout::padded};
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 10));
+  REQUIRE(shape_index < shapes.size());
+  for (std::size_t m = 0; m < masks.size(); ++m)
+    check_gpu<TestType>(cuda_kernel::naive, shapes[shape_index], layouts[(shape_index + m) % 3], masks[m]);
+}
+
+TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, naive elsewhere, both right", "[gpu][automatic]",
+                   Eigen::half, Eigen::bfloat16, float) {
+  // padded rows (stride d + 3) and head_dim 80 take the naive path; bhsd with head_dim 128 takes flash.
+  check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 1, 100, 130, 128}, layout::padded, causal{});
+  check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 80}, layout::bhsd, dense{});
+  check_gpu<TestType>(cuda_kernel::automatic, {2, 2, 2, 100, 130, 128}, layout::bhsd, window{7, 2});
+}
+
+TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]", Eigen::half, Eigen::bfloat16) {
+  const problem shapes[] = {{1, 8, 2, 2048, 2048, 128}, {2, 4, 4, 1500, 3000, 64}, {1, 4, 1, 4096, 4096, 128}};
+  const any_mask masks[] = {dense{}, causal{align::bottom_right}, window{256, 0}};
+  for (int i = 0; i < 3; ++i) {
+    const problem& p = shapes[i];
+    const std::uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    attention_case<TestType> c(p, layout::bhsd, rng);
+    INFO(describe(p) << " " << describe(masks[i]) << " seed=" << seed);
+    const std::vector<float> lse_flash = run_on_device(cuda_kernel::flash, c, masks[i]);
+    std::vector<double> flash_o(c.o.buf.size());
+    for (std::size_t e = 0; e < flash_o.size(); ++e) flash_o[e] = static_cast<double>(c.o.buf[e]);
+    const std::vector<float> lse_naive = run_on_device(cuda_kernel::naive, c, masks[i]);
+    const double rel = relative_error(c.o.view, flash_o);
+    INFO("relative difference " << rel);
+    CHECK(rel <= 2 * relative_bound<TestType>());
+    std::vector<double> lse_ref(lse_naive.begin(), lse_naive.end());
+    CHECK(max_lse_error(lse_flash, lse_ref) <= 1e-4);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the float64 oracle", "[gpu][flash][decode]",
+                   Eigen::half, Eigen::bfloat16) {
+  const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {2, 2, 2, 3, 2999, 64}, {1, 8, 2, 16, 1500, 128},
+                            {1, 1, 1, 1, 513, 64},   {1, 2, 2, 100, 4100, 128}};
+  for (const problem& p : shapes)
+    for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
+}
+
+TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
+  const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
+  for (const any_mask& m : all_masks()) {
+    check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
+    check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p128, layout::bshd, m);
+    check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);
+    check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
+  }
+}
+
+TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing written", "[gpu][errors]") {
+  const problem p{1, 1, 1, 16, 16, 64};
+  std::mt19937_64 rng(fresh_seed());
+  attention_case<Eigen::half> c(p, layout::bhsd, rng);
+  const std::vector<Eigen::half> before = c.o.buf;
+  // Host memory handed to the CUDA policy.
+  status st = gpu::attend_cuda<Eigen::half>(cuda_kernel::automatic, p, c.q.cview(), c.k.cview(), c.v.cview(),
+                                            c.o.view, dense{}, nullptr);
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(std::string(st.what()).find("q.data is not device memory") != std::string::npos);
+  CHECK(unchanged(c.o.buf, before));
+  // Device q, k, v, o but a host lse.
+  gpu::device_buffer<Eigen::half> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
+  std::vector<float> lse(16);
+  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::flash, p, bhsd<const Eigen::half>(q.data(), p.q_dims()),
+                                     bhsd<const Eigen::half>(k.data(), p.kv_dims()),
+                                     bhsd<const Eigen::half>(v.data(), p.kv_dims()), bhsd(o.data(), p.o_dims()),
+                                     causal{}, lse.data());
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(std::string(st.what()).find("lse.data") != std::string::npos);
+  // Flash asked for where it does not apply: head_dim 80, f32.
+  const problem p80{1, 1, 1, 16, 16, 80};
+  gpu::device_buffer<Eigen::half> big(std::vector<Eigen::half>(16 * 80 * 4, Eigen::half(0.5f)));
+  Eigen::half* base = big.data();
+  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::flash, p80, bhsd<const Eigen::half>(base, p80.q_dims()),
+                                     bhsd<const Eigen::half>(base + 16 * 80, p80.kv_dims()),
+                                     bhsd<const Eigen::half>(base + 32 * 80, p80.kv_dims()),
+                                     bhsd(base + 48 * 80, p80.o_dims()), dense{}, nullptr);
+  CHECK(st.code() == errc::unsupported);
+  CHECK(std::string(st.what()).find("head_dim is 80") != std::string::npos);
+  gpu::device_buffer<float> f(std::vector<float>(16 * 64 * 4, 0.5f));
+  st = gpu::attend_cuda<float>(cuda_kernel::flash, p, bhsd<const float>(f.data(), p.q_dims()),
+                               bhsd<const float>(f.data() + 16 * 64, p.kv_dims()),
+                               bhsd<const float>(f.data() + 32 * 64, p.kv_dims()), bhsd(f.data() + 48 * 64, p.o_dims()),
+                               dense{}, nullptr);
+  CHECK(st.code() == errc::unsupported);
+  CHECK(std::string(st.what()).find("f16 and bf16") != std::string::npos);
+  // Block-sparse masks are not on the GPU yet: a status, not a wrong answer.
+  const block_layout layout = dense_layout(block_geometry{16, 16, 16, 16, 1, 1});
+  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::automatic, p, bhsd<const Eigen::half>(q.data(), p.q_dims()),
+                                     bhsd<const Eigen::half>(k.data(), p.kv_dims()),
+                                     bhsd<const Eigen::half>(v.data(), p.kv_dims()), bhsd(o.data(), p.o_dims()),
+                                     block_sparse{layout}, nullptr);
+  CHECK(st.code() == errc::unsupported);
+  REQUIRE(gpu::synchronize().ok());
+}
