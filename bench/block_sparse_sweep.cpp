@@ -260,11 +260,13 @@ int main(int argc, char** argv) {
         if (c.first == key) return c.second;
       return 0.0;
     };
+    bool distinct = false;  // the fit needs at least two different densities
     for (std::size_t i = first_row; i < rows.size(); ++i) {
       const double x = counter(rows[i], "density") * counter(rows[i], "dense_us"), y = rows[i].us;
       sx += x, sy += y, sxx += x * x, sxy += x * y;
+      distinct = distinct || counter(rows[i], "density") != counter(rows[first_row], "density");
     }
-    if (n >= 2 && n * sxx - sx * sx > 0) {
+    if (distinct && n * sxx - sx * sx > 0) {
       const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx), fixed = (sy - slope * sx) / n;
       int within = 0;
       for (std::size_t i = first_row; i < rows.size(); ++i) {

@@ -7,7 +7,8 @@ roofline.png: the two roofs (memory: AI x bandwidth, compute: the FMA peak) for 
 start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s). --filter keeps
 the rows whose name matches; --time cpu rates them on CPU time (1-thread rows on a busy machine).
 sparsity.png (only when rows named block_sparse/... with a `sparsity` counter are present): speedup against
-sparsity, one curve per (S, block shape); the speedup of a row is its `dense_us` counter (dense flash timed in the
+sparsity (achieved: 1 - the row's `density` when present, else the requested `sparsity`), one curve per
+(S, block shape); the speedup of a row is its `dense_us` counter (dense flash timed in the
 same sweep, as bench/block_sparse_sweep.cpp writes) over its own time, else the time of the sparsity-0 row of its
 curve (or of the dense flash row of the same shape) over its own time.
 The roofs come from the first file whose context carries them (fusedattn_peak_flops_threads_N, ...).
@@ -117,7 +118,7 @@ def plot_sparsity(rows, path, title):
     fig, ax = plt.subplots(figsize=(9, 6))
     drawn = 0
     for key, members in sorted(curves.items()):
-        members.sort(key=lambda r: r["sparsity"])
+        members.sort(key=lambda r: (1.0 - r["density"]) if "density" in r else r["sparsity"])
         if all("dense_us" in r for r in members):
             # The sweep timed dense flash interleaved with each row: the speedup over that.
             speedups = [r["dense_us"] * 1e-6 / r["seconds"] for r in members]
@@ -131,14 +132,17 @@ def plot_sparsity(rows, path, title):
         s_q, s_kv, bq, bkv, h, d, dtype, threads, frame = key
         s = "S=%d" % s_q if s_q == s_kv else "S=%dx%d" % (s_q, s_kv)
         label = "%s, %dx%d blocks, h%d d%d %s t%d%s" % (s, bq, bkv, h, d, dtype, threads, ", frame" if frame else "")
-        ax.plot([r["sparsity"] for r in members], speedups, marker="o", ms=4, label=label)
+        # The achieved sparsity, 1 - density, where the sweep recorded it: with few kv blocks per row the
+        # requested sparsity rounds to whole blocks (2 blocks per row can only drop 0, 1 or 2 of them).
+        xs = [1.0 - r["density"] if "density" in r else r["sparsity"] for r in members]
+        ax.plot(xs, speedups, marker="o", ms=4, label=label)
         drawn += 1
     if not drawn:
         plt.close(fig)
         return
     xs = [i / 100 for i in range(0, 91)]
     ax.plot(xs, [1 / (1 - x) for x in xs], color="black", ls=":", lw=1, label="ideal 1/(1 - sparsity)")
-    ax.set_xlabel("sparsity (fraction of kv blocks dropped)")
+    ax.set_xlabel("sparsity achieved (1 - fraction of score blocks visited)")
     ax.set_ylabel("speedup over dense flash (or over sparsity 0)")
     ax.set_title(title)
     ax.grid(True, lw=0.3, alpha=0.5)

@@ -18,7 +18,7 @@ std::string shape_name(const shape& sh) {
 const char* scalar_label(scalar s) { return s == scalar::f32 ? "f32" : "f16"; }
 const char* mask_label(mask_kind m) { return m == mask_kind::dense ? "dense" : "causal"; }
 
-any_mask to_mask(mask_kind m) {
+band_choice to_mask(mask_kind m) {
   if (m == mask_kind::causal) return causal{align::top_left};
   return dense{};
 }

@@ -1,13 +1,15 @@
 // libFuzzer harness for fusedattn::attend. The bytes choose a scalar type, a small problem, a layout (axis order,
-// padding, broadcast strides) per operand, a mask, a thread count, whether lse is wanted, the input values, and at
-// most one "hostile" mutation (null pointer, shape mismatch, bad stride, aliasing, overlapping rows, overflow,
-// bad threads, scale or mask). Every CPU policy of tests/test_reliability_support.hpp then runs the call, and:
+// padding, broadcast strides) per operand, a mask (band or block-sparse), a thread count, flash tile sizes, whether
+// lse is wanted, the input values, and at most one "hostile" mutation (null pointer, shape mismatch, bad stride,
+// aliasing, overlapping rows, overflow, bad threads, scale or mask, a block layout built for another problem).
+// Every CPU policy of tests/test_reliability_support.hpp then runs the call, and:
 //   - a mutated (invalid) call must return invalid_argument and leave every buffer bitwise unchanged;
 //   - a valid call must succeed, leave the inputs and the gaps of O untouched, and agree with the float64 oracle
 //     within check.hpp's tolerance widened by the general logit-rounding bound.
 // Any violation aborts, which libFuzzer reports as a crash; ASan and UBSan catch memory and UB errors.
 // Build: cmake -S . -B build/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DFUSEDATTN_BUILD_FUZZ=ON
-// Run:   ./build/fuzz/tests/fuzz/fuzz_attend -max_total_time=60 build/fuzz/corpus tests/fuzz/corpus
+// Run:   UBSAN_OPTIONS=suppressions=tests/fuzz/ubsan.supp:halt_on_error=1 \
+//          ./build/fuzz/tests/fuzz/fuzz_attend -max_total_time=60 build/fuzz/corpus tests/fuzz/corpus
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -110,6 +112,7 @@ enum class mutation {
   heads_not_multiple,
   offset_overflow,
   bad_alignment,
+  layout_mismatch,
   count
 };
 
@@ -148,7 +151,7 @@ void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& 
   // Against the float64 oracle; the plain same-precision loop sets the tolerance as in check.hpp.
   std::visit(
       [&](const auto& m) {
-        const band_mask bound = bind(m, p);
+        const auto bound = bind(m, p);
         const reference ref = reference_attention<double>(p, q, k, v, bound);
         const reference plain = reference_attention<accum_t<T>>(p, q, k, v, bound);
         double plain_err = 0, plain_lse_err = 0, err = 0, lse_err = 0;
@@ -209,11 +212,20 @@ void fuzz_one(byte_reader& r) {
 
   any_mask mask = dense{};
   const align al = r.below(2) ? align::bottom_right : align::top_left;
+  // A block-sparse layout: blocks of 1..5 rows/keys, one pattern per head and batch entry or shared, random
+  // active blocks, and a band rule inside the blocks. It must outlive the call (block_sparse views it).
+  block_geometry geometry{p.seq_q, p.seq_kv, 1 + r.below(5), 1 + r.below(5), r.below(2) ? p.batch : 1,
+                          r.below(2) ? p.heads : 1};
+  const double sparsity = static_cast<double>(r.below(5)) / 4;
+  const std::uint64_t layout_seed = r.u8();
+  block_sparse::element_rule within = dense{};
   switch (r.below(4)) {
     case 0: mask = dense{}; break;
     case 1: mask = causal{al}; break;
-    default: mask = window{r.below(9), r.below(9), al}; break;
+    case 2: mask = window{r.below(9), r.below(9), al}; break;
+    default: within = r.below(2) ? block_sparse::element_rule(causal{al}) : window{r.below(9), r.below(9), al}; break;
   }
+  const bool sparse = std::holds_alternative<dense>(mask) && within.index() != 0;
 
   fuzz_operand<T> q(p.q_dims(), r, true), k(p.kv_dims(), r, true), v(p.kv_dims(), r, true), o(p.o_dims(), r, false);
   static constexpr double amps[] = {1.0, 1.0, 4.0, 30.0};
@@ -312,6 +324,19 @@ void fuzz_one(byte_reader& r) {
     case mutation::bad_alignment: mask = causal{static_cast<align>(2 + r.below(3))}; valid = false; break;
     default: break;
   }
+
+  if (mut == mutation::layout_mismatch) {
+    // A layout built for another problem: a longer sequence, or more heads / batch entries than the problem has.
+    switch (r.below(3)) {
+      case 0: geometry.seq_q += 1 + r.below(3); break;
+      case 1: geometry.seq_kv += 1 + r.below(3); break;
+      default: geometry.heads = p.heads + 1; break;
+    }
+    valid = false;
+  }
+  const block_layout layout = random_layout(geometry, sparsity, layout_seed);
+  if ((sparse && std::holds_alternative<dense>(mask)) || mut == mutation::layout_mismatch)
+    mask = block_sparse(layout, within);
 
   std::vector<std::vector<T>*> watched = {&q.buf, &k.buf, &v.buf};
   for_each_cpu_policy([&](auto pol) {

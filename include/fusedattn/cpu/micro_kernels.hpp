@@ -60,16 +60,21 @@ FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) V::store(s + r * lds + n * W, acc[r][n]);
 }
 
-/// S = Q·Kᵀ for a whole tile: rows [0, rows) (a multiple of MR), key columns [0, cols) (a multiple of NR·W).
+/// S = Q·Kᵀ for a whole tile: rows [0, rows), key columns [0, cols) (a multiple of NR·W).
 ///   kt: packed Kᵀ panels, each d × (NR·W) contiguous (panel_stride = d·NR·W elements apart).
 /// Panels are the outer loop so one contiguous d × (NR·W) panel stays in L1 while every row block uses it.
+/// Rows go MR at a time, the last rows % MR one at a time (a decode row costs one row, not MR).
 template <class Acc, class Arch>
 inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
                     index_t lds) {
   using shape = kernel_shape<Acc, Arch>;
-  for (index_t j = 0; j < cols; j += shape::cols)
-    for (index_t i = 0; i < rows; i += shape::mr)
+  const index_t full = rows / shape::mr * shape::mr;
+  for (index_t j = 0; j < cols; j += shape::cols) {
+    for (index_t i = 0; i < full; i += shape::mr)
       qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
+    for (index_t i = full; i < rows; ++i)
+      qk_block<Acc, Arch, 1, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
+  }
 }
 
 /// One MR × (NV·W) block of the output accumulator.
@@ -104,8 +109,26 @@ FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
 }
 
-/// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows) (a multiple of MR), keys [0, keys),
-/// accumulator columns [0, dp) (a multiple of the vector width).
+/// acc = diag(α)·acc + P·V on rows [i0, i0 + MR·blocks) for columns [c, c + NV·W): `blocks` row blocks of MR.
+template <class Acc, class Arch, index_t MR, index_t NV>
+inline void pv_rows(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
+                    index_t lda, index_t i0, index_t blocks) {
+  for (index_t b = 0, i = i0; b < blocks; ++b, i += MR)
+    pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda, lda);
+}
+
+/// One column chunk of NV vectors for every row: MR rows at a time, the last rows % MR one at a time.
+template <class Acc, class Arch, index_t NV>
+inline void pv_chunk(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
+                     index_t lda, index_t rows) {
+  constexpr index_t MR = kernel_shape<Acc, Arch>::mr;
+  const index_t full = rows / MR;
+  pv_rows<Acc, Arch, MR, NV>(p, ldp, v, ldv, keys, alpha, acc, lda, 0, full);
+  pv_rows<Acc, Arch, 1, NV>(p, ldp, v, ldv, keys, alpha, acc, lda, full * MR, rows - full * MR);
+}
+
+/// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows), keys [0, keys), accumulator columns [0, dp)
+/// (a multiple of the vector width).
 ///   v: packed V chunks at the tile's first key: chunk c (columns [c·NR·W, (c+1)·NR·W)) is keys × (NR·W)
 ///      contiguous, chunk_stride elements after chunk c − 1.
 /// Chunks are the outer loop so one contiguous keys × (NR·W) slice of V stays in L1 while every row block uses
@@ -115,23 +138,18 @@ inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_strid
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
   using shape = kernel_shape<Acc, Arch>;
   constexpr index_t W = shape::width;
-  constexpr index_t MR = shape::mr;
   constexpr index_t NV = shape::nr;
   constexpr index_t ldv = NV * W;
   index_t c = 0;
   for (; c + NV * W <= dp; c += NV * W, v += chunk_stride)
-    for (index_t i = 0; i < rows; i += MR)
-      pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda + c, lda);
+    pv_chunk<Acc, Arch, NV>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
   const index_t rest = (dp - c) / W;
   FUSEDATTN_ASSERT(rest < NV);
-  for (index_t i = 0; i < rows && rest > 0; i += MR) {
-    const Acc* pi = p + i * ldp;
-    Acc* ai = acc + i * lda + c;
-    switch (rest) {
-      case 1: pv_block<Acc, Arch, MR, 1>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
-      case 2: pv_block<Acc, Arch, MR, 2>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
-      default: pv_block<Acc, Arch, MR, 3>(pi, ldp, v, ldv, keys, alpha + i, ai, lda); break;
-    }
+  switch (rest) {
+    case 0: break;
+    case 1: pv_chunk<Acc, Arch, 1>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
+    case 2: pv_chunk<Acc, Arch, 2>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
+    default: pv_chunk<Acc, Arch, 3>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
   }
 }
 

@@ -55,9 +55,8 @@ struct flash_plan {
 /// Builds the plan. Q-tiles hold at most `bq` rows and never straddle a multiple of the mask's q_granule.
 template <class Acc, class Arch, class Mask>
 flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
-  static_assert(cpu::kernel_shape<Acc, Arch>::cols == cpu::kernel_shape<Acc, Arch>::nr * cpu::kernel_shape<Acc, Arch>::width,
-                "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   using shape = cpu::kernel_shape<Acc, Arch>;
+  static_assert(shape::cols == shape::nr * shape::width, "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   const tile_sizes t = cpu::choose_tiles(user, p.head_dim, p.seq_q, p.seq_kv);
   flash_plan f;
   f.d = p.head_dim;
@@ -192,14 +191,12 @@ template <class T, class Arch, class Mask>
 void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, index_t b, index_t h, index_t q0,
                 index_t q1, index_t key_lo, index_t key_hi, accum_t<T>* partial_out) {
   using Acc = accum_t<T>;
-  using shape = cpu::kernel_shape<Acc, Arch>;
   const problem& p = call.p;
   const flash_plan& f = call.plan;
-  const auto mask = for_head(call.mask, b, h);  // the (b, h) pattern of per-head masks (block_sparse)
+  const auto& mask = for_head(call.mask, b, h);  // the (b, h) pattern of per-head masks (block_sparse)
   constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const index_t h_kv = p.kv_head(h);
   const index_t qn = q1 - q0;
-  const index_t qn_pad = round_up(qn, shape::mr);
 
   if (sc.cached_b != b || sc.cached_h != h_kv) {
     std::fill(sc.packed.begin(), sc.packed.begin() + f.panels, static_cast<unsigned char>(0));
@@ -207,18 +204,16 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
     sc.cached_h = h_kv;
   }
 
-  // Q tile (qn_pad × d), converted to Acc; padding rows are 0. The scale is applied in the softmax.
+  // Q tile (qn × d), converted to Acc. The scale is applied in the softmax.
   const Acc c_log2 = static_cast<Acc>(p.softmax_scale() * log2e);
   for (index_t i = 0; i < qn; ++i) {
     const T* qr = call.q.row(b, h, q0 + i);
     Acc* dst = sc.q.data() + i * f.d;
     for (index_t c = 0; c < f.d; ++c) dst[c] = static_cast<Acc>(qr[c]);
   }
-  std::fill(sc.q.begin() + qn * f.d, sc.q.begin() + qn_pad * f.d, Acc(0));
-  std::fill(sc.acc.begin(), sc.acc.begin() + qn_pad * f.dp, Acc(0));
-  std::fill(sc.m.begin(), sc.m.begin() + qn_pad, neg_inf);
-  std::fill(sc.l.begin(), sc.l.begin() + qn_pad, Acc(0));
-  std::fill(sc.alpha.begin(), sc.alpha.begin() + qn_pad, Acc(1));
+  std::fill(sc.acc.begin(), sc.acc.begin() + qn * f.dp, Acc(0));
+  std::fill(sc.m.begin(), sc.m.begin() + qn, neg_inf);
+  std::fill(sc.l.begin(), sc.l.begin() + qn, Acc(0));
 
   const index_t segments = mask.num_segments(q0, q1);
   for (index_t r = 0; r < segments; ++r) {
@@ -236,8 +231,8 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
           sc.packed[static_cast<std::size_t>(pn)] = 1;
         }
 
-      // S (qn_pad × width) = Q (qn_pad × d) · Kᵀ (d × width), panel by panel.
-      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, sc.kt.data() + kb * f.d, f.d, qn_pad, width, sc.s.data(), f.lds);
+      // S (qn × width) = Q (qn × d) · Kᵀ (d × width), panel by panel.
+      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, sc.kt.data() + kb * f.d, f.d, qn, width, sc.s.data(), f.lds);
 
       // Mask: columns outside [k0, k1) always; forbidden keys only on tiles the mask calls partial.
       const bool partial = mask.is_partial(q0, q1, k0, k1);
@@ -252,9 +247,9 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
             srow, width, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
       }
 
-      // acc (qn_pad × dp) = diag(α)·acc + P (qn_pad × kn) · V (kn × dp), P from column j0 on.
+      // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on.
       cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, sc.v.data() + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
-                              sc.alpha.data(), sc.acc.data(), f.dp, qn_pad);
+                              sc.alpha.data(), sc.acc.data(), f.dp, qn);
       k0 = k1;
     }
   }
@@ -281,8 +276,8 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
 }
 
 /// Decode split: merges the chunks' partial rows of one q-tile in chunk order (so the result does not depend on
-/// which thread ran which chunk). `row` is d accumulators of scratch. Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L;
-/// lse = M·ln2 + ln L.
+/// which thread ran which chunk). `row` is d accumulators of scratch.
+/// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L; lse = M·ln2 + ln L.
 template <class T, class Mask>
 void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t q0, index_t q1,
                   const accum_t<T>* parts, accum_t<T>* row) {
