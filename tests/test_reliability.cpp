@@ -314,26 +314,33 @@ TEMPLATE_LIST_TEST_CASE("reliability: rows that see no key give O = 0 and lse = 
 namespace {
 enum class nan_in { q, k, v };
 
+/// Where nan_propagation puts its NaN: q(b, h, i, c), or k / v(b, g, j, c).
+struct nan_site {
+  index_t b, h, i, g, j, c;
+};
+
 /// Puts one NaN into Q, K or V and checks that exactly the affected outputs are NaN (docs/design.md, Numerics):
 ///   q(b, h, i, ·)  → the whole O row (b, h, i) and lse(b, h, i);
 ///   k(b, g, j, ·)  → the whole O row and lse of every (b, h, i) with kv_head(h) = g and allowed(i, j);
 ///   v(b, g, j, c)  → element c of the O row of every such (b, h, i); lse untouched.
-/// Every other output is finite and within the oracle tolerance.
-template <class Policy, class Mask>
-void nan_propagation(const Policy& pol, nan_in where, const Mask& mask, layout l) {
-  const problem p{2, 4, 2, 9, 11, 19};
+/// Every other output is finite and within the oracle tolerance. `tiles` go to the flash policies (small tiles
+/// put the NaN in partial tiles next to rows that skip its key; kv_split > 1 runs the decode split's merge).
+template <class T, class Policy, class Mask>
+void nan_propagation(Policy pol, nan_in where, const Mask& mask, layout l, const problem& p, const nan_site& at,
+                     tile_sizes tiles = {}) {
+  set_tiles(pol, tiles);
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
-  attention_case<float> c(p, l, rng);
-  const index_t nb = 1, nh = 2, ni = 4, ng = 1, nj = 5, nc = 7;
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  if (where == nan_in::q) c.q.view.row(nb, nh, ni)[nc] = nan;
-  if (where == nan_in::k) c.k.view.row(nb, ng, nj)[nc] = nan;
-  if (where == nan_in::v) c.v.view.row(nb, ng, nj)[nc] = nan;
-  const band_mask bound = bind(mask, p);
+  attention_case<T> c(p, l, rng);
+  const T nan = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+  if (where == nan_in::q) c.q.view.row(at.b, at.h, at.i)[at.c] = nan;
+  if (where == nan_in::k) c.k.view.row(at.b, at.g, at.j)[at.c] = nan;
+  if (where == nan_in::v) c.v.view.row(at.b, at.g, at.j)[at.c] = nan;
+  const auto bound = bind(mask, p);
   const char* names[] = {"q", "k", "v"};
-  INFO(policy_name<Policy>() << " NaN in " << names[static_cast<int>(where)] << " " << mask_name(mask) << " "
-                             << layout_name(l) << " seed=" << seed);
+  INFO(policy_name<Policy>() << " " << scalar_name<T>() << " NaN in " << names[static_cast<int>(where)] << " "
+                             << describe(p) << " " << mask_name(mask) << " " << layout_name(l) << " tiles "
+                             << tiles.q << "/" << tiles.kv << "/" << tiles.kv_split << " seed=" << seed);
 
   std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 123.0f);
   const status st = attend(pol, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data());
@@ -342,8 +349,8 @@ void nan_propagation(const Policy& pol, nan_in where, const Mask& mask, layout l
   const expected e = expect(c, bound);
 
   auto row_affected = [&](index_t b, index_t h, index_t i) {
-    if (where == nan_in::q) return b == nb && h == nh && i == ni;
-    return b == nb && p.kv_head(h) == ng && bound.allowed(i, nj);
+    if (where == nan_in::q) return b == at.b && h == at.h && i == at.i;
+    return b == at.b && p.kv_head(h) == at.g && for_head(bound, b, h).allowed(i, at.j);
   };
   index_t affected_rows = 0, wrong_nan = 0, missing_nan = 0, wrong_lse = 0;
   double missing_example = 0, lse_example = 0;
@@ -365,8 +372,8 @@ void nan_propagation(const Policy& pol, nan_in where, const Mask& mask, layout l
           lse_err = std::max(lse_err, std::abs(lse[row] - e.ref.lse[row]));
         }
         for (index_t col = 0; col < p.head_dim; ++col) {
-          const double x = c.o.view.row(b, h, i)[col];
-          const bool elem_hit = hit && (where != nan_in::v || col == nc);
+          const double x = static_cast<double>(c.o.view.row(b, h, i)[col]);
+          const bool elem_hit = hit && (where != nan_in::v || col == at.c);
           if (elem_hit) {
             if (!std::isnan(x)) {
               ++missing_nan;
@@ -400,11 +407,31 @@ void nan_propagation(const Policy& pol, nan_in where, const Mask& mask, layout l
 TEMPLATE_LIST_TEST_CASE("reliability: a NaN reaches only the outputs that depend on it", "[reliability][numerics]",
                         cpu_policies) {
   const TestType pol = make_policy<TestType>(2);
+  const problem p{2, 4, 2, 9, 11, 19};
+  const nan_site at{1, 2, 4, 1, 5, 7};
+  // Decode: one query row over 1100 keys, which the heuristic splits into chunks merged by log-sum-exp; the NaN
+  // sits in the second chunk.
+  const problem decode{1, 2, 1, 1, 1100, 16};
+  const nan_site at_decode{0, 1, 0, 0, 700, 9};
+  // Per-(batch, head) block patterns of 2 × 3 blocks, intersected with an element rule.
+  const block_layout layout = random_layout(block_geometry{p.seq_q, p.seq_kv, 2, 3, p.batch, p.heads}, 0.3, 5);
   for (nan_in where : {nan_in::q, nan_in::k, nan_in::v}) {
-    nan_propagation(pol, where, dense{}, layout::bhsd);
-    nan_propagation(pol, where, causal{}, layout::bshd);
-    nan_propagation(pol, where, window{2, 1}, layout::padded);
-    nan_propagation(pol, where, causal{align::bottom_right}, layout::bhsd);
+    nan_propagation<float>(pol, where, dense{}, layout::bhsd, p, at);
+    nan_propagation<float>(pol, where, causal{}, layout::bshd, p, at);
+    nan_propagation<float>(pol, where, window{2, 1}, layout::padded, p, at);
+    nan_propagation<float>(pol, where, causal{align::bottom_right}, layout::bhsd, p, at);
+    // Every scalar type, with tiles of 4 × 4 keys (the NaN's key in a partial tile of rows that skip it).
+    nan_propagation<double>(pol, where, causal{}, layout::bhsd, p, at, {4, 4, 0});
+    nan_propagation<Eigen::half>(pol, where, window{2, 1}, layout::bshd, p, at, {4, 4, 0});
+    nan_propagation<Eigen::bfloat16>(pol, where, causal{align::bottom_right}, layout::padded, p, at, {4, 4, 0});
+    // The decode split and its merge: forced on the small problem (3 chunks of 4 keys), and by the heuristic.
+    nan_propagation<float>(pol, where, window{3, 0}, layout::bhsd, p, at, {4, 4, 3});
+    nan_propagation<double>(pol, where, causal{}, layout::bshd, p, at, {0, 0, 3});
+    nan_propagation<float>(pol, where, dense{}, layout::bhsd, decode, at_decode);
+    nan_propagation<float>(pol, where, window{500, 0, align::bottom_right}, layout::bshd, decode, at_decode);
+    // Block-sparse masks.
+    nan_propagation<float>(pol, where, block_sparse{layout, causal{}}, layout::bhsd, p, at, {4, 4, 0});
+    nan_propagation<Eigen::half>(pol, where, block_sparse{layout, dense{}}, layout::padded, p, at);
   }
 }
 

@@ -58,11 +58,14 @@ struct simd {
   static type broadcast(Acc x) { return type(x); }
   /// a·b + c
   static type fma(const type& a, const type& b, const type& c) { return xsimd::fma(a, b, c); }
+  /// a > b ? a : b lane by lane: b when either is NaN (x86 max semantics, and the scalar path's). The softmax
+  /// relies on it: max(x, acc) skips a NaN x, max(lo, x) keeps it.
   static type max(const type& a, const type& b) { return xsimd::max(a, b); }
   static type mul(const type& a, const type& b) { return a * b; }
   static type add(const type& a, const type& b) { return a + b; }
   static type sub(const type& a, const type& b) { return a - b; }
-  /// 2^x for x <= 0 (the softmax only exponentiates t − max), with 2^−inf = 0. See cpu::exp2_nonpositive.
+  /// 2^x for x <= 0 (the softmax only exponentiates t − max), with 2^−inf = 0 and 2^NaN = NaN.
+  /// Float: cpu::exp2_nonpositive; double: cpu::exp2_nonpositive_f64.
   static type exp2(const type& x);
   static Acc reduce_add(const type& x) { return xsimd::hadd(x); }
   static Acc reduce_max(const type& x) {
@@ -82,7 +85,8 @@ struct simd {
 
 /// 2^x for x <= 0 on float vectors, about 2 ulp: x = n + f with n = round(x), f in [−1/2, 1/2];
 /// 2^f by its degree-6 Taylor polynomial in f·ln2 (truncation < 1.3e−7 relative); 2^n built in the exponent bits.
-/// x is clamped at −127 first, where 2^n has a zero exponent field and the result is exactly 0 (so −inf gives 0).
+/// x is clamped at −127 first, where 2^n has a zero exponent field and the result is exactly 0 (so −inf gives 0);
+/// the clamp max(−127, x) keeps a NaN x (simd::max returns its second operand), and NaN flows through to the result.
 template <class Arch>
 inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   using vec = xsimd::batch<float, Arch>;
@@ -93,7 +97,7 @@ inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   // c_k = ln2^k / k!, k = 6 .. 1
   constexpr float c6 = 1.5403530393381609e-4f, c5 = 1.3333558146428443e-3f, c4 = 9.6181291076284772e-3f,
                   c3 = 5.5504108664821580e-2f, c2 = 2.4022650695910071e-1f, c1 = 6.9314718055994531e-1f;
-  x = xsimd::max(x, vec(min_exponent));
+  x = xsimd::max(vec(min_exponent), x);
   // n = round(x) by the shifter trick: x + 1.5·2^23 + 127 lies in [2^23, 2^24), where floats are integers, so the
   // sum holds n + 127 in its low mantissa bits; shifting those bits into the exponent field gives 2^n directly.
   const vec shifted = x + vec(shifter);
@@ -109,12 +113,26 @@ inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   return p * xsimd::bitwise_cast<vec>(bits);
 }
 
+/// 2^x for x <= 0 on double vectors by xsimd::exp2, without undefined behaviour: xsimd converts round(x) to int64
+/// before it selects 0 for x below its range, and that conversion is undefined for −inf and NaN (UBSan's
+/// float-cast-overflow). So x is clamped at −1075 first, max(x, −1075), where 2^x rounds to 0 already (the
+/// smallest subnormal is 2^−1074) and which also maps NaN to −1075 (simd::max returns its second operand); the
+/// NaN is then put back by a select, so 2^NaN = NaN as on the other paths. Bitwise the same as xsimd::exp2 for
+/// every x that is not NaN.
+template <class Arch>
+inline xsimd::batch<double, Arch> exp2_nonpositive_f64(const xsimd::batch<double, Arch>& x) {
+  using vec = xsimd::batch<double, Arch>;
+  constexpr double min_exponent = -1075.0;  // 2^−1075 rounds to 0 (half the smallest subnormal, ties to even)
+  const vec p = xsimd::exp2(xsimd::max(x, vec(min_exponent)));
+  return xsimd::select(xsimd::isnan(x), x, p);
+}
+
 template <class Acc, class Arch>
 inline typename simd<Acc, Arch>::type simd<Acc, Arch>::exp2(const type& x) {
   if constexpr (std::is_same<Acc, float>::value) {
     return exp2_nonpositive<Arch>(x);
   } else {
-    return xsimd::exp2(x);
+    return exp2_nonpositive_f64<Arch>(x);
   }
 }
 

@@ -107,7 +107,7 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
     ws.o.setZero();
     for (index_t i = 0; i < p.seq_q; ++i)
       for (index_t j = 0; j < p.seq_kv; ++j)
-        if (mask.allowed(i, j)) ws.o.row(i) += ws.s(i, j) * ws.v.row(j);
+        if (head_mask.allowed(i, j)) ws.o.row(i) += ws.s(i, j) * ws.v.row(j);
   }
   for (index_t i = 0; i < p.seq_q; ++i) {
     T* r = o.row(b, h, i);

@@ -25,19 +25,30 @@ inline constexpr double ln2 = 0.6931471805599453094;
 /// Math: m_new = max(m, c·max_j s_j); α = 2^(m − m_new); p_j = 2^(c·s_j − m_new) with c·s_j − m_new formed by one
 /// FMA (no rounding of the large logit itself); l = α·l + Σ_j p_j; returns α, by which the caller rescales the
 /// row's accumulator. While every key seen so far is masked (m_new = −inf) p = 0, α = 1 and l stays 0.
+/// NaN (docs/design.md, Numerics): a row that meets a NaN logit gets l = NaN, which no later step can clear
+/// (α·NaN, NaN + Σ p), and finish_row turns into O = lse = NaN. The max ignores NaN (V::max(x, vmax) returns
+/// vmax when x is NaN), so m_new is the max of the other logits and every p_j <= 1; the NaN logit itself gives
+/// p_j = NaN through exp2, which propagates NaN (simd.hpp), and so l = NaN. Only a tile whose logits are all
+/// NaN or −inf leaves m_new = −inf: that branch scans the row, once, and sets l = NaN if it finds a NaN.
+/// A +inf logit makes m_new = +inf and its p_j = 2^(inf − inf) = NaN: the row is NaN, as in the naive kernel.
 template <class Acc, class Arch>
 inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
   using V = cpu::simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
   constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-  // Row max of the raw scores (c > 0 keeps the order), vectorised.
+  // Row max of the raw scores (c > 0 keeps the order), vectorised; a NaN score is skipped (see above).
   vec vmax = V::broadcast(neg_inf);
-  for (index_t j = 0; j < cols; j += W) vmax = V::max(vmax, V::load(s + j));
+  for (index_t j = 0; j < cols; j += W) vmax = V::max(V::load(s + j), vmax);
   const Acc tile_max = V::reduce_max(vmax) * c;
   const Acc m_new = tile_max > m ? tile_max : m;
   if (m_new == neg_inf) {
-    for (index_t j = 0; j < cols; ++j) s[j] = Acc(0);
+    bool saw_nan = false;
+    for (index_t j = 0; j < cols; ++j) {
+      saw_nan |= std::isnan(s[j]);
+      s[j] = Acc(0);
+    }
+    if (saw_nan) l = std::numeric_limits<Acc>::quiet_NaN();
     return Acc(1);
   }
   // p_j = 2^(c·s_j − m_new), fused with the row sum.
@@ -53,6 +64,20 @@ inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
   l = alpha * l + V::reduce_add(vsum);
   m = m_new;
   return alpha;
+}
+
+/// 1 / l for the finish O = acc / l: 0 for a row that saw no key (l = 0, acc = 0, so O = 0); NaN for a row that
+/// met a NaN (l = NaN), so its whole O row is NaN.
+template <class Acc>
+inline Acc inverse_row_sum(Acc l) {
+  return l == Acc(0) ? Acc(0) : Acc(1) / l;
+}
+
+/// lse = m·ln2 + ln l of a finished row: −inf for a row that saw no key (l = 0), NaN for a row that met a NaN.
+template <class Acc>
+inline float row_lse(Acc m, Acc l) {
+  return l == Acc(0) ? -std::numeric_limits<float>::infinity()
+                     : static_cast<float>(m * static_cast<Acc>(ln2) + std::log(l));
 }
 
 }  // namespace kernels

@@ -115,6 +115,7 @@ struct flash_scratch {
   std::vector<Acc> kt;     ///< panels × d × cols: packed Kᵀ of one kv head
   std::vector<Acc> v;      ///< v_chunks × seq_kv × vw: packed V of one kv head
   std::vector<unsigned char> packed;  ///< per panel: already packed for (cached_b, cached_h)
+  std::vector<signed char> v_finite;  ///< per panel: its V rows are all finite (1), are not (0), unchecked (−1)
   index_t cached_b = -1, cached_h = -1;
 
   /// Elements of Acc this scratch holds for a plan (also what flash_scratch_bytes counts).
@@ -140,6 +141,7 @@ struct flash_scratch {
     grow(kt, f.panels * f.d * f.cols);
     grow(v, f.v_chunks * seq_kv * f.vw);
     grow(packed, f.panels);
+    grow(v_finite, f.panels);
     cached_b = cached_h = -1;
   }
 };
@@ -185,6 +187,49 @@ void pack_panel(const tensor_ref<const T>& k, const tensor_ref<const T>& v, cons
   }
 }
 
+/// Whether the V rows of keys [k0, k1) of kv head (b, h_kv) are all finite, from per-panel flags that are
+/// computed from V itself the first time a panel is asked about (once per kv head and thread, and only for
+/// panels that partial tiles touch). Conservative: a non-finite value anywhere in a touched panel says no.
+template <class T, class Acc>
+bool values_finite(const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv,
+                   index_t k0, index_t k1, flash_scratch<Acc>& sc) {
+  bool finite = true;
+  for (index_t pn = k0 / f.cols; pn <= (k1 - 1) / f.cols; ++pn) {
+    signed char& state = sc.v_finite[static_cast<std::size_t>(pn)];
+    if (state < 0) {
+      // Σ 0·v is 0 when every v is finite, NaN as soon as one is NaN or ±inf.
+      Acc zero_if_finite = 0;
+      for (index_t j = pn * f.cols; j < std::min(seq_kv, (pn + 1) * f.cols); ++j) {
+        const T* vr = v.row(b, h_kv, j);
+        for (index_t c = 0; c < f.d; ++c) zero_if_finite += Acc(0) * static_cast<Acc>(vr[c]);
+      }
+      state = zero_if_finite == Acc(0) ? 1 : 0;
+    }
+    finite &= state == 1;
+  }
+  return finite;
+}
+
+/// acc (qn × dp) = diag(α)·acc + P·V over the allowed keys only: the P·V step of a partial tile whose V holds a
+/// non-finite value, where the micro-kernel's 0·v for a forbidden key would put NaN into a row that does not
+/// attend that key (docs/design.md, Numerics). Plain loops over V as the caller passed it (rare inputs only).
+///   p: P at the tile's first key, row stride ldp (qn × kn); keys [k0, k0 + kn) of kv head (b, h_kv).
+template <class T, class Acc, class Mask>
+void pv_tile_allowed(const Mask& mask, const tensor_ref<const T>& v, index_t b, index_t h_kv, index_t q0, index_t qn,
+                     index_t k0, index_t kn, index_t d, const Acc* p, index_t ldp, const Acc* alpha, Acc* acc,
+                     index_t lda) {
+  for (index_t i = 0; i < qn; ++i) {
+    Acc* a = acc + i * lda;
+    for (index_t c = 0; c < d; ++c) a[c] *= alpha[i];
+    for (index_t j = 0; j < kn; ++j) {
+      if (!mask.allowed(q0 + i, k0 + j)) continue;
+      const Acc p_ij = p[i * ldp + j];
+      const T* vr = v.row(b, h_kv, k0 + j);
+      for (index_t c = 0; c < d; ++c) a[c] += p_ij * static_cast<Acc>(vr[c]);
+    }
+  }
+}
+
 /// One work item: rows [q0, q1) of head (b, h) against the keys of chunk [key_lo, key_hi).
 /// Writes O and lse directly (no split), or the partial (m, l, acc) rows at `partial_out` (decode split).
 template <class T, class Arch, class Mask>
@@ -200,6 +245,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
 
   if (sc.cached_b != b || sc.cached_h != h_kv) {
     std::fill(sc.packed.begin(), sc.packed.begin() + f.panels, static_cast<unsigned char>(0));
+    std::fill(sc.v_finite.begin(), sc.v_finite.begin() + f.panels, static_cast<signed char>(-1));
     sc.cached_b = b;
     sc.cached_h = h_kv;
   }
@@ -247,14 +293,20 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
             srow, width, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
       }
 
-      // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on.
-      cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, sc.v.data() + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
-                              sc.alpha.data(), sc.acc.data(), f.dp, qn);
+      // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on. A partial tile whose V
+      // holds a non-finite value sums over the allowed keys only (0·NaN must not reach rows that skip the key).
+      if (partial && !values_finite(call.v, f, p.seq_kv, b, h_kv, k0, k1, sc))
+        pv_tile_allowed(mask, call.v, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
+                        sc.acc.data(), f.dp);
+      else
+        cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, sc.v.data() + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
+                                sc.alpha.data(), sc.acc.data(), f.dp, qn);
       k0 = k1;
     }
   }
 
-  // Finish: O = acc / l, lse = m·ln2 + ln l; a row that saw no key gets O = 0, lse = −inf.
+  // Finish: O = acc / l, lse = m·ln2 + ln l; a row that saw no key gets O = 0, lse = −inf; one that met a NaN
+  // (l = NaN) gets O = lse = NaN.
   for (index_t i = 0; i < qn; ++i) {
     const Acc m = sc.m[static_cast<std::size_t>(i)], l = sc.l[static_cast<std::size_t>(i)];
     const Acc* a = sc.acc.data() + i * f.dp;
@@ -266,18 +318,16 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
       continue;
     }
     T* orow = call.o.row(b, h, q0 + i);
-    const Acc inv_l = l > Acc(0) ? Acc(1) / l : Acc(0);
+    const Acc inv_l = inverse_row_sum(l);
     for (index_t c = 0; c < f.d; ++c) orow[c] = static_cast<T>(a[c] * inv_l);
-    if (call.lse)
-      call.lse[(b * p.heads + h) * p.seq_q + q0 + i] =
-          l > Acc(0) ? static_cast<float>(m * static_cast<Acc>(ln2) + std::log(l))
-                     : -std::numeric_limits<float>::infinity();
+    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = row_lse(m, l);
   }
 }
 
 /// Decode split: merges the chunks' partial rows of one q-tile in chunk order (so the result does not depend on
 /// which thread ran which chunk). `row` is d accumulators of scratch.
 /// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L; lse = M·ln2 + ln L.
+/// A chunk that met a NaN (l_c = NaN) makes L = NaN, so O = lse = NaN, whatever M is.
 template <class T, class Mask>
 void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t q0, index_t q1,
                   const accum_t<T>* parts, accum_t<T>* row) {
@@ -287,10 +337,17 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
   const index_t stride_chunk = f.bq_pad * partial_row(f);
   for (index_t i = 0; i < q1 - q0; ++i) {
     Acc big_m = -std::numeric_limits<Acc>::infinity();
-    for (index_t c = 0; c < f.chunks; ++c) big_m = std::max(big_m, parts[c * stride_chunk + i * partial_row(f)]);
+    bool saw_nan = false;
+    for (index_t c = 0; c < f.chunks; ++c) {
+      const Acc* part = parts + c * stride_chunk + i * partial_row(f);
+      big_m = std::max(big_m, part[0]);
+      saw_nan |= std::isnan(part[1]);
+    }
     std::fill(row, row + f.d, Acc(0));
     Acc big_l = 0;
-    if (big_m != -std::numeric_limits<Acc>::infinity()) {
+    if (saw_nan) {
+      big_l = std::numeric_limits<Acc>::quiet_NaN();
+    } else if (big_m != -std::numeric_limits<Acc>::infinity()) {
       for (index_t c = 0; c < f.chunks; ++c) {
         const Acc* part = parts + c * stride_chunk + i * partial_row(f);
         if (part[1] <= Acc(0)) continue;
@@ -300,12 +357,9 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
       }
     }
     T* orow = call.o.row(b, h, q0 + i);
-    const Acc inv_l = big_l > Acc(0) ? Acc(1) / big_l : Acc(0);
+    const Acc inv_l = inverse_row_sum(big_l);
     for (index_t col = 0; col < f.d; ++col) orow[col] = static_cast<T>(row[col] * inv_l);
-    if (call.lse)
-      call.lse[(b * p.heads + h) * p.seq_q + q0 + i] =
-          big_l > Acc(0) ? static_cast<float>(big_m * static_cast<Acc>(ln2) + std::log(big_l))
-                         : -std::numeric_limits<float>::infinity();
+    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = row_lse(big_m, big_l);
   }
 }
 
@@ -313,7 +367,7 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
 /// results (b·h·q-tiles·chunks·bq_pad·(dp + 2) accumulators) when the plan splits the keys.
 template <class Acc, class Arch>
 index_t scratch_bytes(const problem& p, const flash_plan& f, index_t threads) {
-  const index_t per_thread = flash_scratch<Acc>::elements(f, p.seq_kv) * index_t(sizeof(Acc)) + f.panels;
+  const index_t per_thread = flash_scratch<Acc>::elements(f, p.seq_kv) * index_t(sizeof(Acc)) + 2 * f.panels;
   const index_t partials = f.chunks > 1 ? p.batch * p.heads * f.q_tiles() * f.chunks * f.bq_pad * partial_row(f) : 0;
   return threads * per_thread + partials * index_t(sizeof(Acc));
 }
