@@ -25,6 +25,8 @@
 
 #if defined(__SSE3__)
 #include <pmmintrin.h>
+#elif defined(__SSE__)
+#include <xmmintrin.h>
 #endif
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -192,10 +194,10 @@ TEMPLATE_LIST_TEST_CASE("reliability: hostile inputs are rejected with a reason 
     rejected(pol, p, q, k, v, o, lse_top, "lse: 40 floats do not fit in the address space");
   }
   SECTION("a scale that is not a finite positive number in the accumulation type") {
-    for (double s : {1e300, 1e-60}) {
+    for (double s : {1e300, 1e-60, 1e-40}) {  // 1e-40: a subnormal f32, which the kernels would flush to 0
       problem bad = p;
       bad.scale = s;
-      rejected(pol, bad, q, k, v, o, lse, "problem.scale is " + detail::str_double(s) + "; it is not a finite positive f32");
+      rejected(pol, bad, q, k, v, o, lse, "problem.scale is " + detail::str_double(s) + "; it is not a finite positive normal f32");
     }
     problem fine = p;
     fine.scale = 1e300;  // representable when the accumulation type is double
@@ -465,6 +467,42 @@ TEMPLATE_LIST_TEST_CASE("reliability: one query over 2^20 keys stays within the 
   fill_view(c.q.view, rng, 2, 3);
   fill_view(c.k.view, rng, -3, 3);
   check_finite_against_oracle(pol, c, causal{align::bottom_right}, "long row, large logits");
+}
+
+TEMPLATE_LIST_TEST_CASE("reliability: subnormal inputs count as 0, within the oracle tolerance, FP mode restored",
+                        "[reliability][numerics][subnormal_mode]", cpu_policies) {
+  // Every value of an operand in ±1e-39 (below FLT_MIN = 1.18e-38: all subnormal) or ±1e-310 (f64).
+  const problem p{2, 3, 3, 21, 34, 24};
+  for (int threads : {1, 2}) {
+    const TestType pol = make_policy<TestType>(threads);
+    for (const char* which : {"q", "k", "v"}) {
+      std::mt19937_64 rng(fresh_seed());
+      attention_case<float> c(p, layout::bshd, rng);
+      attention_case<double> cd(p, layout::bhsd, rng);
+      if (which[0] == 'q') fill_view(c.q.view, rng, -1e-39, 1e-39), fill_view(cd.q.view, rng, -1e-310, 1e-310);
+      if (which[0] == 'k') fill_view(c.k.view, rng, -1e-39, 1e-39), fill_view(cd.k.view, rng, -1e-310, 1e-310);
+      if (which[0] == 'v') fill_view(c.v.view, rng, -1e-39, 1e-39), fill_view(cd.v.view, rng, -1e-310, 1e-310);
+#if defined(__SSE__)
+      const unsigned csr_before = _mm_getcsr();
+#endif
+      check_finite_against_oracle(pol, c, causal{}, std::string("subnormal ") + which);
+      check_finite_against_oracle(pol, cd, window{5, 2}, std::string("subnormal ") + which);
+#if defined(__SSE__)
+      CHECK(_mm_getcsr() == csr_before);  // the calling thread's mode (no FTZ/DAZ) is back
+#endif
+      if (which[0] != 'v') continue;
+#if defined(__SSE__) || (defined(__aarch64__) && defined(__GNUC__))
+      // Flushed in every thread: P·V reads each subnormal v as 0, so every O element is exactly 0.
+      index_t nonzero = 0;
+      for (index_t b = 0; b < p.batch; ++b)
+        for (index_t h = 0; h < p.heads; ++h)
+          for (index_t i = 0; i < p.seq_q; ++i)
+            for (index_t col = 0; col < p.head_dim; ++col) nonzero += c.o.view.row(b, h, i)[col] != 0.0f;
+      INFO(policy_name<TestType>() << " threads " << threads << ": " << nonzero << " nonzero O elements");
+      CHECK(nonzero == 0);
+#endif
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -163,13 +163,14 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   if (status st = detail::check_operand("v", v, p.kv_dims()); !st) return st;
   if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
   if (status st = detail::check_mask(mask, p); !st) return st;
-  // Extra checks: the scale must survive conversion to the accumulation type, and lse must be addressable.
+  // Extra checks: the scale must survive conversion to the accumulation type as a normal number (the CPU
+  // kernels flush subnormals to zero, docs/design.md Numerics), and lse must be addressable.
   using acc = accum_t<T>;
   if (p.scale) {
     const acc scale_acc = static_cast<acc>(*p.scale);
-    if (!(std::isfinite(scale_acc) && scale_acc > 0))
+    if (!(std::isfinite(scale_acc) && scale_acc >= std::numeric_limits<acc>::min()))
       return status::invalid("problem.scale is " + detail::str_double(*p.scale) + "; it is not a finite positive " +
-                             scalar_name<acc>() + " (the accumulation type of " + scalar_name<T>() + ")");
+                             "normal " + scalar_name<acc>() + " (the accumulation type of " + scalar_name<T>() + ")");
   }
   if (lse) {
     index_t lse_bytes = 0;

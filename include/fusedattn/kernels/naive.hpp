@@ -22,6 +22,7 @@
 #include "../core/status.hpp"
 #include "../core/tensor.hpp"
 #include "../core/types.hpp"
+#include "../cpu/fp_env.hpp"
 #include "mask.hpp"
 
 namespace fusedattn {
@@ -136,6 +137,8 @@ status naive_attention(const problem& p, const tensor_ref<const T>& q, const ten
 #pragma omp parallel for num_threads(n_threads) schedule(static)
 #endif
   for (index_t bh = 0; bh < heads_total; ++bh) {
+    // Subnormals flushed to zero while this head is computed, on whichever thread runs it (fp_env.hpp).
+    const cpu::flush_denormals_scope flush_denormals;
 #if defined(_OPENMP)
     auto& w = ws[static_cast<std::size_t>(omp_get_thread_num())];
 #else

@@ -20,6 +20,7 @@
 #include "../core/status.hpp"
 #include "../core/tensor.hpp"
 #include "../core/types.hpp"
+#include "../cpu/fp_env.hpp"
 #include "../cpu/micro_kernels.hpp"
 #include "../cpu/simd.hpp"
 #include "../cpu/tiles.hpp"
@@ -414,6 +415,8 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
 #pragma omp parallel num_threads(n_threads)
 #endif
   {
+    // Every thread computes with subnormals flushed to zero, its own FP mode restored on exit (fp_env.hpp).
+    const cpu::flush_denormals_scope flush_denormals;
     flash_scratch<Acc>& sc = thread_scratch<Acc>();
     try {
       sc.allocate(plan, p.seq_kv);
