@@ -85,7 +85,8 @@ struct rounding_bounds {
   double value = 0;      ///< max |v|
 };
 
-/// Computes rounding_bounds in double (O(allowed pairs · head_dim): meant for test-sized problems).
+/// Computes rounding_bounds in double (O(allowed pairs · head_dim): meant for test-sized problems), over the
+/// finite values only (outputs that a NaN or inf input reaches are checked for being non-finite, not compared).
 template <class T, class Mask>
 rounding_bounds measure_rounding_bounds(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                                         const tensor_ref<const T>& v, const Mask& mask) {
@@ -102,14 +103,17 @@ rounding_bounds measure_rounding_bounds(const problem& p, const tensor_ref<const
             dot += x;
             dot_abs += std::abs(x);
           }
+          if (!std::isfinite(dot_abs)) continue;  // a NaN or inf input: that output is not compared
           r.logit = std::max(r.logit, std::abs(scale * dot));
           r.logit_abs = std::max(r.logit_abs, scale * dot_abs);
         }
   for (index_t b = 0; b < p.batch; ++b)
     for (index_t g = 0; g < p.heads_kv; ++g)
       for (index_t j = 0; j < p.seq_kv; ++j)
-        for (index_t c = 0; c < p.head_dim; ++c)
-          r.value = std::max(r.value, std::abs(static_cast<double>(v.row(b, g, j)[c])));
+        for (index_t c = 0; c < p.head_dim; ++c) {
+          const double x = std::abs(static_cast<double>(v.row(b, g, j)[c]));
+          if (std::isfinite(x)) r.value = std::max(r.value, x);
+        }
   return r;
 }
 

@@ -2,14 +2,18 @@
 // padding, broadcast strides) per operand, a mask (band or block-sparse), a thread count, flash tile sizes, whether
 // lse is wanted, the input values, and at most one "hostile" mutation (null pointer, shape mismatch, bad stride,
 // aliasing, overlapping rows, overflow, bad threads, scale or mask, a block layout built for another problem).
+// The bytes may also put a NaN into Q, K or V, or an infinity into V (one element; broadcast strides repeat it).
 // Every CPU policy of tests/test_reliability_support.hpp then runs the call, and:
 //   - a mutated (invalid) call must return invalid_argument and leave every buffer bitwise unchanged;
 //   - a valid call must succeed, leave the inputs and the gaps of O untouched, and agree with the float64 oracle
-//     within check.hpp's tolerance widened by the general logit-rounding bound.
+//     within check.hpp's tolerance widened by the general logit-rounding bound;
+//   - with a non-finite input, the outputs it reaches (docs/design.md, Numerics) must be NaN (non-finite for an
+//     infinity in V), and every other output must be finite and agree with the oracle as above.
 // Any violation aborts, which libFuzzer reports as a crash; ASan and UBSan catch memory and UB errors.
 // Build: cmake -S . -B build/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DFUSEDATTN_BUILD_FUZZ=ON
-// Run:   UBSAN_OPTIONS=suppressions=tests/fuzz/ubsan.supp:halt_on_error=1 \
-//          ./build/fuzz/tests/fuzz/fuzz_attend -max_total_time=60 build/fuzz/corpus tests/fuzz/corpus
+// Run:   ./build/fuzz/tests/fuzz/fuzz_attend -max_total_time=60 build/fuzz/corpus tests/fuzz/corpus
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -89,6 +93,12 @@ void fill(const tensor_ref<T>& t, std::mt19937_64& rng, double amp) {
         for (index_t c = 0; c < t.dims.d; ++c) t.row(b, h, i)[c] = static_cast<T>(u(rng));
 }
 
+/// A quiet NaN of T (through float, which every T converts from).
+template <class T>
+T nan_of() {
+  return static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+}
+
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
@@ -152,13 +162,39 @@ void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& 
   std::visit(
       [&](const auto& m) {
         const auto bound = bind(m, p);
+        // The outputs a non-finite input reaches (docs/design.md, Numerics), from the values the views hold.
+        auto is_nan = [](T x) { return std::isnan(static_cast<double>(x)); };
+        auto row_nan = [&](const T* r) { return std::any_of(r, r + p.head_dim, is_nan); };
+        const std::size_t rows = static_cast<std::size_t>(p.batch * p.heads * p.seq_q);
+        std::vector<char> nan_row(rows, 0);
+        std::vector<char> bad_elem(rows * static_cast<std::size_t>(p.head_dim), 0);
+        for (index_t b = 0; b < p.batch; ++b)
+          for (index_t h = 0; h < p.heads; ++h) {
+            const auto head_mask = for_head(bound, b, h);
+            const index_t g = p.kv_head(h);
+            for (index_t i = 0; i < p.seq_q; ++i) {
+              const std::size_t row = static_cast<std::size_t>((b * p.heads + h) * p.seq_q + i);
+              bool any_key = false, nan = false;
+              for (index_t j = 0; j < p.seq_kv; ++j) {
+                if (!head_mask.allowed(i, j)) continue;
+                any_key = true;
+                nan |= row_nan(k.row(b, g, j));
+                const T* vr = v.row(b, g, j);
+                for (index_t c = 0; c < p.head_dim; ++c)
+                  if (!std::isfinite(static_cast<double>(vr[c]))) bad_elem[row * static_cast<std::size_t>(p.head_dim) + c] = 1;
+              }
+              nan |= any_key && row_nan(q.row(b, h, i));  // a row that sees no key is 0 / −inf whatever q holds
+              nan_row[row] = nan;
+            }
+          }
         const reference ref = reference_attention<double>(p, q, k, v, bound);
         const reference plain = reference_attention<accum_t<T>>(p, q, k, v, bound);
         double plain_err = 0, plain_lse_err = 0, err = 0, lse_err = 0;
         for (std::size_t i = 0; i < ref.o.size(); ++i)
-          plain_err = std::max(plain_err, std::abs(static_cast<double>(static_cast<T>(plain.o[i])) - ref.o[i]));
+          if (!nan_row[i / static_cast<std::size_t>(p.head_dim)] && !bad_elem[i])
+            plain_err = std::max(plain_err, std::abs(static_cast<double>(static_cast<T>(plain.o[i])) - ref.o[i]));
         for (std::size_t i = 0; i < ref.lse.size(); ++i)
-          if (std::isfinite(ref.lse[i]))
+          if (std::isfinite(ref.lse[i]) && !nan_row[i])
             plain_lse_err = std::max(plain_lse_err, std::abs(static_cast<double>(static_cast<float>(plain.lse[i])) - ref.lse[i]));
         const rounding_bounds rb = measure_rounding_bounds(p, q, k, v, bound);
         const double eps_t = static_cast<double>(Eigen::NumTraits<T>::epsilon());
@@ -172,11 +208,21 @@ void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& 
               const std::size_t row = static_cast<std::size_t>((b * p.heads + h) * p.seq_q + i);
               for (index_t c = 0; c < p.head_dim; ++c) {
                 const double x = static_cast<double>(o.row(b, h, i)[c]);
-                const double e = std::isfinite(x) ? std::abs(x - ref.o[row * static_cast<std::size_t>(p.head_dim) + c])
-                                                  : std::numeric_limits<double>::infinity();
+                const std::size_t at = row * static_cast<std::size_t>(p.head_dim) + c;
+                if (nan_row[row]) {
+                  if (!std::isnan(x)) fail(who + " O element not NaN although a NaN input reaches its row");
+                  continue;
+                }
+                if (bad_elem[at]) {
+                  if (std::isfinite(x)) fail(who + " O element finite although a non-finite V value reaches it");
+                  continue;
+                }
+                const double e = std::isfinite(x) ? std::abs(x - ref.o[at]) : std::numeric_limits<double>::infinity();
                 err = std::max(err, e);
               }
-              if (lse) {
+              if (lse && nan_row[row]) {
+                if (!std::isnan(lse[row])) fail(who + " lse not NaN although a NaN input reaches its row");
+              } else if (lse) {
                 const double x = lse[row], y = ref.lse[row];
                 if (std::isinf(y)) {
                   if (x != y) lse_err = std::numeric_limits<double>::infinity();
@@ -234,6 +280,18 @@ void fuzz_one(byte_reader& r) {
   fill(q.view, rng, amp);
   fill(k.view, rng, amp);
   fill(v.view, rng, 1.0);
+  // At most one non-finite input element (as `none` most of the time): NaN in Q, K or V, or ±inf in V.
+  switch (r.below(12)) {
+    case 0: q.view.row(r.below(p.batch), r.below(p.heads), r.below(p.seq_q))[r.below(p.head_dim)] = nan_of<T>(); break;
+    case 1: k.view.row(r.below(p.batch), r.below(p.heads_kv), r.below(p.seq_kv))[r.below(p.head_dim)] = nan_of<T>(); break;
+    case 2: v.view.row(r.below(p.batch), r.below(p.heads_kv), r.below(p.seq_kv))[r.below(p.head_dim)] = nan_of<T>(); break;
+    case 3: {
+      const double inf = r.below(2) ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+      v.view.row(r.below(p.batch), r.below(p.heads_kv), r.below(p.seq_kv))[r.below(p.head_dim)] = static_cast<T>(inf);
+      break;
+    }
+    default: break;
+  }
   std::uniform_real_distribution<double> junk(50, 60);
   for (T& x : o.buf) x = static_cast<T>(junk(rng));
   std::vector<float> lse_buf(static_cast<std::size_t>(p.lse_size()), 77.0f);
