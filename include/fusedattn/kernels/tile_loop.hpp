@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -188,6 +190,26 @@ void pack_panel(const tensor_ref<const T>& k, const tensor_ref<const T>& v, cons
   }
 }
 
+/// Whether none of the n values at r is NaN or ±inf, from the bits: an IEEE value (float, double, half, bfloat16)
+/// is non-finite exactly when its exponent field is all ones, i.e. when it has every bit of +inf set. Integer
+/// ops only, no dependency chain: the compiler vectorises the loop.
+template <class T>
+bool all_finite(const T* r, index_t n) {
+  using U = std::conditional_t<sizeof(T) == 2, std::uint16_t,
+                               std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>;
+  static_assert(sizeof(U) == sizeof(T), "fusedattn: all_finite expects a 2-, 4- or 8-byte IEEE type");
+  const T inf_value = std::numeric_limits<T>::infinity();
+  U inf = 0;
+  std::memcpy(&inf, &inf_value, sizeof(U));
+  U non_finite = 0;
+  for (index_t c = 0; c < n; ++c) {
+    U bits = 0;
+    std::memcpy(&bits, r + c, sizeof(U));
+    non_finite |= static_cast<U>((bits & inf) == inf);
+  }
+  return non_finite == 0;
+}
+
 /// Whether the V rows of keys [k0, k1) of kv head (b, h_kv) are all finite, from per-panel flags that are
 /// computed from V itself the first time a panel is asked about (once per kv head and thread, and only for
 /// panels that partial tiles touch). Conservative: a non-finite value anywhere in a touched panel says no.
@@ -198,13 +220,10 @@ bool values_finite(const tensor_ref<const T>& v, const flash_plan& f, index_t se
   for (index_t pn = k0 / f.cols; pn <= (k1 - 1) / f.cols; ++pn) {
     signed char& state = sc.v_finite[static_cast<std::size_t>(pn)];
     if (state < 0) {
-      // Σ 0·v is 0 when every v is finite, NaN as soon as one is NaN or ±inf.
-      Acc zero_if_finite = 0;
-      for (index_t j = pn * f.cols; j < std::min(seq_kv, (pn + 1) * f.cols); ++j) {
-        const T* vr = v.row(b, h_kv, j);
-        for (index_t c = 0; c < f.d; ++c) zero_if_finite += Acc(0) * static_cast<Acc>(vr[c]);
-      }
-      state = zero_if_finite == Acc(0) ? 1 : 0;
+      bool panel_finite = true;
+      for (index_t j = pn * f.cols; j < std::min(seq_kv, (pn + 1) * f.cols); ++j)
+        panel_finite &= all_finite(v.row(b, h_kv, j), f.d);
+      state = panel_finite ? 1 : 0;
     }
     finite &= state == 1;
   }
