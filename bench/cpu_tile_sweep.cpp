@@ -3,12 +3,14 @@
 /// counts × tile-size overrides, for tuning the tile heuristic and comparing micro-kernel builds. Not a test.
 ///
 ///   fusedattn-tile-sweep [--shapes=B,H,S,D;...] [--threads=1,16] [--tiles=Q:KV,...] [--min-time=SECONDS]
-///                        [--reps=N] [--clock=wall|cpu] [--label=NAME] [--json=FILE]
+///                        [--reps=N] [--clock=wall|cpu] [--peak] [--label=NAME] [--json=FILE]
 ///
 /// --tiles: Q:KV pairs of policy.tiles.{q, kv}; 0 leaves a size to the heuristic (0:0 is the default policy).
 /// Each row: one untimed call, then --reps batches of a call count calibrated to --min-time / --reps; the median
 /// time per call is reported. --clock=cpu times process CPU time (for 1 thread on a shared machine; with more
-/// threads it sums over them, so wall time is used for those rows).
+/// threads it sums over them, so wall time is used for those rows). --peak measures the f32 FMA peak of the rows'
+/// thread count (ceilings.hpp) right before and after each row and reports the row's rate as a share of the
+/// larger of the two, so that a machine whose speed drifts is compared with itself.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +21,8 @@
 #include <vector>
 
 #include <fusedattn/fusedattn.hpp>
+
+#include "ceilings.hpp"
 
 namespace {
 
@@ -35,6 +39,7 @@ struct options {
   double min_time = 0.3;
   int reps = 5;
   bool cpu_clock = false;
+  bool peak = false;
   std::string label = "flash";
   std::string json;
 };
@@ -56,7 +61,8 @@ std::vector<std::string> split(const std::string& text, char sep) {
 
 bool parse(int argc, char** argv, options& opt) {
   for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
+    std::string arg = argv[i];
+    if (arg == "--peak") arg = "--peak=1";
     const auto eq = arg.find('=');
     if (eq == std::string::npos) return false;
     const std::string key = arg.substr(0, eq), val = arg.substr(eq + 1);
@@ -87,6 +93,8 @@ bool parse(int argc, char** argv, options& opt) {
       opt.reps = std::max(1, std::atoi(val.c_str()));
     } else if (key == "--clock") {
       opt.cpu_clock = val == "cpu";
+    } else if (key == "--peak") {
+      opt.peak = val != "0";
     } else if (key == "--label") {
       opt.label = val;
     } else if (key == "--json") {
@@ -114,7 +122,7 @@ int main(int argc, char** argv) {
   options opt;
   if (!parse(argc, argv, opt)) {
     std::fprintf(stderr, "usage: fusedattn-tile-sweep [--shapes=B,H,S,D;...] [--threads=1,16] [--tiles=Q:KV,...] "
-                         "[--min-time=S] [--reps=N] [--clock=wall|cpu] [--label=NAME] [--json=FILE]\n");
+                         "[--min-time=S] [--reps=N] [--clock=wall|cpu] [--peak] [--label=NAME] [--json=FILE]\n");
     return 2;
   }
   std::string rows;
@@ -141,6 +149,7 @@ int main(int argc, char** argv) {
           continue;
         }
         const bool cpu_clock = opt.cpu_clock && threads == 1;
+        const double peak_before = opt.peak ? fusedattn::bench::measure_peak_flops(threads, 3) : 0.0;
         double t0 = now(cpu_clock);
         static_cast<void>(call());  // checked above
         const double once = std::max(now(cpu_clock) - t0, 1e-7);
@@ -153,18 +162,22 @@ int main(int argc, char** argv) {
         }
         std::sort(per_call.begin(), per_call.end());
         const double sec = per_call[per_call.size() / 2];
+        const double peak =
+            opt.peak ? std::max(peak_before, fusedattn::bench::measure_peak_flops(threads, 3)) * 1e-9 : 0.0;
         const fa::tile_sizes chosen = fa::cpu::choose_tiles(tiles, sh.d, sh.s, sh.s);
         char line[512];
         std::snprintf(line, sizeof line,
                       "{\"label\": \"%s\", \"b\": %ld, \"h\": %ld, \"s\": %ld, \"d\": %ld, \"threads\": %d, "
-                      "\"tile_q\": %ld, \"tile_kv\": %ld, \"us\": %.1f, \"gflops\": %.2f}",
+                      "\"tile_q\": %ld, \"tile_kv\": %ld, \"us\": %.1f, \"gflops\": %.2f, \"peak_gflops\": %.1f}",
                       opt.label.c_str(), static_cast<long>(sh.b), static_cast<long>(sh.h), static_cast<long>(sh.s),
                       static_cast<long>(sh.d), threads, static_cast<long>(chosen.q), static_cast<long>(chosen.kv),
-                      sec * 1e6, flop / sec * 1e-9);
-        std::printf("%-10s (%ld,%ld,%ld,%ld) t%-3d tiles %4ld:%-4ld %10.1f us %8.1f GFLOP/s\n", opt.label.c_str(),
+                      sec * 1e6, flop / sec * 1e-9, peak);
+        std::printf("%-10s (%ld,%ld,%ld,%ld) t%-3d tiles %4ld:%-4ld %10.1f us %8.1f GFLOP/s", opt.label.c_str(),
                     static_cast<long>(sh.b), static_cast<long>(sh.h), static_cast<long>(sh.s),
                     static_cast<long>(sh.d), threads, static_cast<long>(chosen.q), static_cast<long>(chosen.kv),
                     sec * 1e6, flop / sec * 1e-9);
+        if (opt.peak) std::printf("  %5.1f %% of %.1f", 100.0 * flop / sec * 1e-9 / peak, peak);
+        std::printf("\n");
         std::fflush(stdout);
         rows += (rows.empty() ? "  " : ",\n  ") + std::string(line);
       }

@@ -21,7 +21,8 @@ namespace cpu {
 /// Query rows per tile: more rows amortise the per-tile work (Q load, finish) and stream each K/V panel for
 /// more rows; fewer rows waste less on the diagonal of causal masks, keep Q, S and the accumulator in L2 and give
 /// more work items to threads. 64 rows up to head_dim 128, 32 beyond. (128 rows for s_q >= 2048 measured the same
-/// on Zen 5 and up to 1.4x slower at s 4096, d 64 on a Sapphire/Emerald Rapids Xeon: docs/PERFORMANCE.md.)
+/// on one thread, on Zen 5 and on a Sapphire Rapids class Xeon, and slower with 16 threads on one head: 32
+/// q-tiles for 16 threads instead of 64; docs/PERFORMANCE.md.)
 inline constexpr index_t default_q_tile_rows(index_t d) { return d > 128 ? 32 : 64; }
 /// Keys per tile: the per-row, per-tile softmax work (reductions, one scalar exp2, the rescale) is amortised over
 /// this many keys; the S tile (q rows × keys) stays in L2. 256 up to head_dim 128, 128 beyond.
