@@ -84,8 +84,8 @@ def main():
     print("%-18s %7s %12s %12s %14s %18s" % ("problem", "threads", "torch us", "ours us", "torch/ours", "per-round range"))
     for (sh, t), v in rows.items():
         ratios = [a / b for a, b in zip(v["torch"], v["ours"])]
-        row = {"b": sh[0], "h": sh[1], "s": sh[2], "d": sh[3], "threads": t, "torch_us": [x * 1e6 for x in v["torch"]],
-               "ours_us": [x * 1e6 for x in v["ours"]], "ratios": ratios,
+        row = {"b": sh[0], "h": sh[1], "s": sh[2], "d": sh[3], "threads": t,
+               "torch_us": [x * 1e6 for x in v["torch"]], "ours_us": [x * 1e6 for x in v["ours"]], "ratios": ratios,
                "median_ratio": statistics.median(ratios)}
         out.append(row)
         print("%-18s %7d %12.1f %12.1f %13.2fx %8.2fx .. %.2fx" % (

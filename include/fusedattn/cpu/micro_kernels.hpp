@@ -49,7 +49,8 @@ inline void with_count(index_t n, F&& f) {
 /// Math: s[r][j] = Σ_c q[r][c] · kt[c][j]. The NR vectors of one kt row are loaded once and used by all MR rows;
 /// each q element is broadcast once and used by all NR vectors.
 template <class Acc, class Arch, index_t MR, index_t NR>
-FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s, index_t lds) {
+FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s,
+                                 index_t lds) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
@@ -97,8 +98,8 @@ inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t
 ///   acc:   in/out, row stride lda;                     shape MR × (NV·W)
 /// Math: acc[r][c] = α[r] · acc[r][c] + Σ_j p[r][j] · v[j][c]; the rescale is fused into the load of acc.
 template <class Acc, class Arch, index_t MR, index_t NV>
-FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
-                     index_t lda) {
+FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha,
+                                 Acc* acc, index_t lda) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;

@@ -360,7 +360,9 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
 /// Whether a call with `threads` threads packs every kv head once into one shared buffer (in parallel, before
 /// any tile) instead of one packed cache per thread: when there are fewer kv heads (b·h_kv) than threads, so that
 /// several threads would otherwise pack the same head. The shared buffer is then smaller than the caches.
-inline bool share_packed_kv(const problem& p, index_t threads) { return threads > 1 && p.batch * p.heads_kv < threads; }
+inline bool share_packed_kv(const problem& p, index_t threads) {
+  return threads > 1 && p.batch * p.heads_kv < threads;
+}
 
 /// Bytes of scratch one call allocates: per-thread flash_scratch × threads (with a packed K/V cache each, or the
 /// shared packed K/V of all b·h_kv heads once, see share_packed_kv), plus the decode split's partial results
@@ -413,9 +415,8 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
   } catch (const std::bad_alloc&) {
     return oom();
   }
-  const flash_call<T, Mask> call{p,    q,    k,    v,   o,
-                                 mask, lse, plan, partial.empty() ? nullptr : partial.data(),
-                                 shared ? packed.data() : nullptr};
+  Acc* const partial_rows = partial.empty() ? nullptr : partial.data();
+  const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial_rows, shared ? packed.data() : nullptr};
   const index_t kv_heads = p.batch * p.heads_kv;
   const index_t head_elements = flash_scratch<Acc>::kv_elements(plan, p.seq_kv);
   const index_t q_tiles = plan.q_tiles();
