@@ -243,6 +243,10 @@ TEST_CASE("flash: decode split matches the unsplit loop, and threads never chang
       REQUIRE(run_flash(policy::cpu<>{2}, c, mask, &lse_n).ok());
       CHECK(c.o.buf == o_one);
       CHECK(lse_n == lse_one);
+      // More threads than kv heads: one shared packed K/V instead of per-thread caches; still the same bits.
+      REQUIRE(run_flash(policy::cpu<>{7}, c, mask, &lse_n).ok());
+      CHECK(c.o.buf == o_one);
+      CHECK(lse_n == lse_one);
       // No split at all.
       policy::cpu<> whole{2};
       whole.tiles.kv_split = 1;

@@ -2,7 +2,7 @@
 """Times PyTorch's scaled_dot_product_attention on fusedattn-bench's shapes and writes the rows in the bench's JSON
 schema (Google Benchmark's format with the same counters), so bench/compare.py and bench/plot.py read them.
 
-    python3 bench/peers/torch_sdpa.py [--device cpu|cuda|all] [--full] [--min-time SECONDS] [--out FILE]
+    python3 bench/peers/torch_sdpa.py [--device cpu|cuda|all] [--full] [--min-time SECONDS] [--filter REGEX] [--out FILE]
 
 Rows (names start with the kernel, the label is "dtype mask", counters b h h_kv s_q s_kv d threads density flop
 bytes bytes_min FLOP/s B/s, plus max_err):
@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -203,6 +204,7 @@ def main():
     ap.add_argument("--repetitions", type=int, default=3, help="timed runs per row; the median is kept (default 3)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads' on the CPU")
     ap.add_argument("--out", default="torch_sdpa.json", help="output JSON file (default torch_sdpa.json)")
+    ap.add_argument("--filter", default="", help="regular expression: only rows whose name it matches (re.search)")
     args = ap.parse_args()
 
     benchmarks, index = [], 0
@@ -212,6 +214,8 @@ def main():
                "fusedattn_peers": "torch %s, %s%s" % (
                    torch.__version__, platform.processor() or platform.machine(),
                    (", " + torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "")}
+
+    keep = re.compile(args.filter)
 
     def add(row):
         """Keeps a row and rewrites the file, so an interrupted run keeps what it measured."""
@@ -232,6 +236,9 @@ def main():
         attend = lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
         with torch.inference_mode():
             for shape, dtype, mask, threads in row_set(args.full, args.threads, ["f32", "f16"]):
+                name = "peer_torch_sdpa_cpu/%s/%s/%s/threads:%d" % (dtype, mask, shape_name(*shape), threads)
+                if not keep.search(name):
+                    continue
                 torch.set_num_threads(threads)
                 density = allowed_fraction(mask, shape[2], shape[2])
                 add(run_one("peer_torch_sdpa_cpu", attend, shape, dtype, mask, threads, "cpu", args, index, density))
@@ -252,6 +259,8 @@ def main():
         with torch.inference_mode():
             for kernel, attend in kernels:
                 for shape, dtype, mask in gpu_rows:
+                    if not keep.search("%s/%s/%s/%s" % (kernel, dtype, mask, shape_name(*shape))):
+                        continue
                     # The math backend materialises every score; the fused ones skip fully masked tiles.
                     density = 1.0 if kernel == "peer_torch_math" else allowed_fraction(mask, shape[2], shape[2])
                     add(run_one(kernel, attend, shape, dtype, mask, 1, "cuda", args, index, density))

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <type_traits>
+#include <utility>
 
 #include "../config.hpp"
 #include "../core/types.hpp"
@@ -31,6 +32,16 @@ inline void pin_register(Vec& x) {
 #endif
 }
 
+/// Calls f(std::integral_constant<index_t, n>{}) for a run-time n in [1, N] (nothing for n outside it): turns a
+/// tail count (rows or vectors left over by a register block) into a template argument of a micro-kernel.
+template <index_t N, class F>
+inline void with_count(index_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) f(std::integral_constant<index_t, N>{});
+    else with_count<N - 1>(n, std::forward<F>(f));
+  }
+}
+
 /// One MR × (NR·W) block of S = Q·Kᵀ.
 ///   q:  MR rows of the (scaled) Q tile, row stride ldq;        shape MR × d
 ///   kt: the packed Kᵀ tile at the block's first key, row stride ldk;  shape d × (NR·W)
@@ -38,7 +49,8 @@ inline void pin_register(Vec& x) {
 /// Math: s[r][j] = Σ_c q[r][c] · kt[c][j]. The NR vectors of one kt row are loaded once and used by all MR rows;
 /// each q element is broadcast once and used by all NR vectors.
 template <class Acc, class Arch, index_t MR, index_t NR>
-FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s, index_t lds) {
+FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s,
+                                 index_t lds) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
@@ -60,20 +72,22 @@ FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) V::store(s + r * lds + n * W, acc[r][n]);
 }
 
-/// S = Q·Kᵀ for a whole tile: rows [0, rows), key columns [0, cols) (a multiple of NR·W).
-///   kt: packed Kᵀ panels, each d × (NR·W) contiguous (panel_stride = d·NR·W elements apart).
-/// Panels are the outer loop so one contiguous d × (NR·W) panel stays in L1 while every row block uses it.
-/// Rows go MR at a time, the last rows % MR one at a time (a decode row costs one row, not MR).
+/// S = Q·Kᵀ for a whole tile: rows [0, rows), key columns [0, cols) (a multiple of qk_nr·W).
+///   kt: packed Kᵀ panels, each d × (qk_nr·W) contiguous (panel_stride = d·qk_nr·W elements apart).
+/// Panels are the outer loop so one contiguous d × (qk_nr·W) panel stays in L1 while every row block uses it.
+/// Rows go qk_mr at a time, the last rows % qk_mr as one smaller block (a decode row costs one row, not qk_mr).
 template <class Acc, class Arch>
 inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
                     index_t lds) {
   using shape = kernel_shape<Acc, Arch>;
-  const index_t full = rows / shape::mr * shape::mr;
-  for (index_t j = 0; j < cols; j += shape::cols) {
-    for (index_t i = 0; i < full; i += shape::mr)
-      qk_block<Acc, Arch, shape::mr, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
-    for (index_t i = full; i < rows; ++i)
-      qk_block<Acc, Arch, 1, shape::nr>(q + i * ldq, ldq, kt + j * d, shape::cols, d, s + i * lds + j, lds);
+  constexpr index_t MR = shape::qk_mr, NR = shape::qk_nr, C = shape::cols;
+  const index_t full = rows / MR * MR;
+  for (index_t j = 0; j < cols; j += C) {
+    for (index_t i = 0; i < full; i += MR)
+      qk_block<Acc, Arch, MR, NR>(q + i * ldq, ldq, kt + j * d, C, d, s + i * lds + j, lds);
+    with_count<MR - 1>(rows - full, [&](auto rest) {
+      qk_block<Acc, Arch, decltype(rest)::value, NR>(q + full * ldq, ldq, kt + j * d, C, d, s + full * lds + j, lds);
+    });
   }
 }
 
@@ -84,8 +98,8 @@ inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t
 ///   acc:   in/out, row stride lda;                     shape MR × (NV·W)
 /// Math: acc[r][c] = α[r] · acc[r][c] + Σ_j p[r][j] · v[j][c]; the rescale is fused into the load of acc.
 template <class Acc, class Arch, index_t MR, index_t NV>
-FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
-                     index_t lda) {
+FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha,
+                                 Acc* acc, index_t lda) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
@@ -109,48 +123,41 @@ FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
 }
 
-/// acc = diag(α)·acc + P·V on rows [i0, i0 + MR·blocks) for columns [c, c + NV·W): `blocks` row blocks of MR.
-template <class Acc, class Arch, index_t MR, index_t NV>
-inline void pv_rows(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
-                    index_t lda, index_t i0, index_t blocks) {
-  for (index_t b = 0, i = i0; b < blocks; ++b, i += MR)
-    pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda, lda);
-}
-
-/// One column chunk of NV vectors for every row: MR rows at a time, the last rows % MR one at a time.
+/// One column chunk of NV vectors for every row: pv_mr rows at a time, the last rows % pv_mr as one smaller block.
 template <class Acc, class Arch, index_t NV>
 inline void pv_chunk(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index_t keys, const Acc* alpha, Acc* acc,
                      index_t lda, index_t rows) {
-  constexpr index_t MR = kernel_shape<Acc, Arch>::mr;
-  const index_t full = rows / MR;
-  pv_rows<Acc, Arch, MR, NV>(p, ldp, v, ldv, keys, alpha, acc, lda, 0, full);
-  pv_rows<Acc, Arch, 1, NV>(p, ldp, v, ldv, keys, alpha, acc, lda, full * MR, rows - full * MR);
+  constexpr index_t MR = kernel_shape<Acc, Arch>::pv_mr;
+  const index_t full = rows / MR * MR;
+  for (index_t i = 0; i < full; i += MR)
+    pv_block<Acc, Arch, MR, NV>(p + i * ldp, ldp, v, ldv, keys, alpha + i, acc + i * lda, lda);
+  with_count<MR - 1>(rows - full, [&](auto rest) {
+    pv_block<Acc, Arch, decltype(rest)::value, NV>(p + full * ldp, ldp, v, ldv, keys, alpha + full,
+                                                   acc + full * lda, lda);
+  });
 }
 
 /// acc = diag(α)·acc + P·V for a whole tile: rows [0, rows), keys [0, keys), accumulator columns [0, dp)
 /// (a multiple of the vector width).
-///   v: packed V chunks at the tile's first key: chunk c (columns [c·NR·W, (c+1)·NR·W)) is keys × (NR·W)
+///   v: packed V chunks at the tile's first key: chunk c (columns [c·vw, (c+1)·vw), vw = pv_nr·W) is keys × vw
 ///      contiguous, chunk_stride elements after chunk c − 1.
-/// Chunks are the outer loop so one contiguous keys × (NR·W) slice of V stays in L1 while every row block uses
-/// it; the last chunk takes the remaining 1 .. NR−1 vectors.
+/// Chunks are the outer loop so one contiguous keys × vw slice of V stays in L1 while every row block uses it;
+/// the last chunk takes the remaining 1 .. pv_nr−1 vectors.
 template <class Acc, class Arch>
 inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
   using shape = kernel_shape<Acc, Arch>;
   constexpr index_t W = shape::width;
-  constexpr index_t NV = shape::nr;
-  constexpr index_t ldv = NV * W;
+  constexpr index_t NV = shape::pv_nr;
+  constexpr index_t ldv = shape::vw;
   index_t c = 0;
-  for (; c + NV * W <= dp; c += NV * W, v += chunk_stride)
+  for (; c + ldv <= dp; c += ldv, v += chunk_stride)
     pv_chunk<Acc, Arch, NV>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
   const index_t rest = (dp - c) / W;
   FUSEDATTN_ASSERT(rest < NV);
-  switch (rest) {
-    case 0: break;
-    case 1: pv_chunk<Acc, Arch, 1>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
-    case 2: pv_chunk<Acc, Arch, 2>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
-    default: pv_chunk<Acc, Arch, 3>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows); break;
-  }
+  with_count<NV - 1>(rest, [&](auto n) {
+    pv_chunk<Acc, Arch, decltype(n)::value>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
+  });
 }
 
 }  // namespace cpu

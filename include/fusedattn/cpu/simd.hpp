@@ -155,16 +155,29 @@ struct simd<Acc, scalar_arch> {
   static Acc reduce_max(const type& x) { return x; }
 };
 
-/// Register blocking of the micro-kernels for one arch: `mr` query rows × `nr` vectors of keys (Q·Kᵀ) or of
-/// head_dim columns (P·V) stay in registers. 32-register arches (AVX-512) hold a 4 × 4 block of accumulators,
-/// 16-register arches a 4 × 2 block; the scalar path a 4 × 4 block of scalars.
+/// Register blocking of the micro-kernels for one arch. Q·Kᵀ keeps `qk_mr` query rows × `qk_nr` vectors of keys
+/// in accumulators, P·V `pv_mr` rows × `pv_nr` vectors of head_dim columns.
+/// 32-register arches (AVX-512): Q·Kᵀ 4 × 4 (16 accumulators, a Kᵀ panel of 64 keys), P·V 12 × 2 (24
+/// accumulators + 2 streamed V vectors + 1 broadcast): each V vector feeds 12 FMAs, and a packed V chunk of
+/// 2 vectors (32 floats) × 256 keys is 32 KB, so it stays in the 48 KB L1 while every row block of the tile reads
+/// it (a 4-vector chunk is 64 KB and streamed from L2 once per row block). On one thread 4 × 4 measured the same
+/// (Sapphire Rapids class Xeon, Zen 5); with 16 threads on the Xeon 12 × 2 was faster (docs/PERFORMANCE.md).
+/// 16-register arches: 4 × 2 for both; the scalar path 4 × 4 scalars.
 template <class Acc, class Arch>
 struct kernel_shape {
   static constexpr index_t width = simd<Acc, Arch>::width;
-  static constexpr index_t mr = 4;
-  static constexpr index_t nr = (has_32_registers<Arch>() || std::is_same<Arch, scalar_arch>::value) ? 4 : 2;
-  /// Key columns one Q·Kᵀ micro-tile covers; packed K tiles are padded to a multiple of it.
-  static constexpr index_t cols = nr * width;
+  static constexpr bool wide = has_32_registers<Arch>();
+  static constexpr bool scalar = std::is_same<Arch, scalar_arch>::value;
+  static constexpr index_t qk_mr = 4;
+  static constexpr index_t qk_nr = (wide || scalar) ? 4 : 2;
+  static constexpr index_t pv_mr = wide ? 12 : 4;
+  static constexpr index_t pv_nr = wide ? 2 : (scalar ? 4 : 2);
+  /// Key columns one Q·Kᵀ micro-tile covers; packed Kᵀ panels are this wide.
+  static constexpr index_t cols = qk_nr * width;
+  /// Head_dim columns one P·V micro-tile covers; packed V chunks are this wide.
+  static constexpr index_t vw = pv_nr * width;
+  /// Row padding of the scratch tiles (the larger row block).
+  static constexpr index_t mr = qk_mr > pv_mr ? qk_mr : pv_mr;
 };
 
 }  // namespace cpu

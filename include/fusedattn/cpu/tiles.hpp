@@ -19,11 +19,11 @@ struct tile_sizes {
 namespace cpu {
 
 /// Query rows per tile: more rows amortise the per-tile work (Q load, finish) and stream each K/V panel for
-/// more rows; fewer rows waste less on the diagonal of causal masks and keep Q, S and the accumulator in L2.
-/// 128 rows for long sequences up to head_dim 128, 64 for shorter ones, 32 beyond head_dim 128.
-inline constexpr index_t default_q_tile_rows(index_t d, index_t s_q) {
-  return d > 128 ? 32 : (s_q >= 2048 ? 128 : 64);
-}
+/// more rows; fewer rows waste less on the diagonal of causal masks, keep Q, S and the accumulator in L2 and give
+/// more work items to threads. 64 rows up to head_dim 128, 32 beyond. (128 rows for s_q >= 2048 measured the same
+/// on one thread, on Zen 5 and on a Sapphire Rapids class Xeon, and slower with 16 threads on one head: 32
+/// q-tiles for 16 threads instead of 64; docs/PERFORMANCE.md.)
+inline constexpr index_t default_q_tile_rows(index_t d) { return d > 128 ? 32 : 64; }
 /// Keys per tile: the per-row, per-tile softmax work (reductions, one scalar exp2, the rescale) is amortised over
 /// this many keys; the S tile (q rows × keys) stays in L2. 256 up to head_dim 128, 128 beyond.
 inline constexpr index_t default_kv_tile_keys(index_t d) { return d <= 128 ? 256 : 128; }
@@ -36,7 +36,7 @@ inline constexpr index_t decode_max_chunks = 32;
 /// the problem only, never on the thread count, so results are identical for any number of threads.
 inline constexpr tile_sizes choose_tiles(tile_sizes user, index_t d, index_t s_q, index_t s_kv) {
   tile_sizes t = user;
-  if (t.q <= 0) t.q = std::min(default_q_tile_rows(d, s_q), s_q);
+  if (t.q <= 0) t.q = std::min(default_q_tile_rows(d), s_q);
   if (t.kv <= 0) t.kv = std::min(default_kv_tile_keys(d), s_kv);
   if (t.kv_split <= 0) {
     const bool decode = s_q <= t.q && s_kv >= 2 * decode_min_chunk_keys;

@@ -19,7 +19,8 @@ namespace kernels {
 /// Bytes of scratch a CPU flash call allocates for `p`, `mask` (its q_granule shapes the q-tiles), `tiles`
 /// and `threads` (clamped to the number of work items as the call does): per thread the Q tile (bq × d), the
 /// S/P tile (bq × bkv), the accumulator (bq × dp), three row vectors, and a packed Kᵀ/V cache of one kv head
-/// (2 × seq_kv × d, converted to the accumulation type, padded); plus, for the decode split,
+/// (2 × seq_kv × d, converted to the accumulation type, padded) — or, when there are fewer kv heads than threads,
+/// one shared packed copy of every kv head instead of the per-thread caches; plus, for the decode split,
 /// b·h·q-tiles·chunks·bq·(dp + 2) partial results. Nothing grows with seq_q × seq_kv.
 template <class T, class Arch = xsimd::default_arch, class Mask = band_mask>
 index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles = {}, int threads = 1) {

@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -59,7 +60,7 @@ struct flash_plan {
 template <class Acc, class Arch, class Mask>
 flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   using shape = cpu::kernel_shape<Acc, Arch>;
-  static_assert(shape::cols == shape::nr * shape::width, "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
+  static_assert(shape::cols == shape::qk_nr * shape::width, "fusedattn: a Kᵀ panel is one Q·Kᵀ micro-tile wide");
   const tile_sizes t = cpu::choose_tiles(user, p.head_dim, p.seq_q, p.seq_kv);
   flash_plan f;
   f.d = p.head_dim;
@@ -70,7 +71,7 @@ flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   f.cols = shape::cols;
   f.lds = round_up(f.bkv, f.cols) + f.cols;
   f.panels = (p.seq_kv + f.cols - 1) / f.cols;
-  f.vw = shape::nr * shape::width;
+  f.vw = shape::vw;
   f.v_chunks = (f.dp + f.vw - 1) / f.vw;
   const index_t kv_tiles = (p.seq_kv + f.bkv - 1) / f.bkv;
   const index_t want_chunks = std::min(t.kv_split, kv_tiles);
@@ -104,34 +105,68 @@ inline void mask_row(const band_mask& mask, index_t i, index_t kb, index_t j0, i
   std::fill(srow + hi, srow + j1, -std::numeric_limits<Acc>::infinity());
 }
 
+/// std::allocator with cache-line alignment: every row of the scratch tiles starts a line (their row strides are
+/// multiples of the vector width), so no vector load or store of the micro-kernels straddles two lines.
+template <class T>
+struct line_allocator {
+  using value_type = T;
+  static constexpr std::size_t alignment = 64;  // bytes per cache line
+  line_allocator() = default;
+  template <class U>
+  line_allocator(const line_allocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(alignment))); }
+  void deallocate(T* x, std::size_t) noexcept { ::operator delete(x, std::align_val_t(alignment)); }
+  /// Default-initialises (no zero fill of megabytes the loop overwrites before it reads them).
+  template <class U>
+  void construct(U* x) noexcept {
+    ::new (static_cast<void*>(x)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* x, Args&&... args) {
+    ::new (static_cast<void*>(x)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  bool operator==(const line_allocator<U>&) const noexcept { return true; }
+  template <class U>
+  bool operator!=(const line_allocator<U>&) const noexcept { return false; }
+};
+/// A scratch buffer of `line_allocator`.
+template <class T>
+using line_vector = std::vector<T, line_allocator<T>>;
+
 /// Per-thread working memory. Sizes are fixed by the plan; nothing grows with seq_q × seq_kv.
 /// The packed K/V cache holds one kv head in the layouts the micro-kernels stream contiguously:
 ///   Kᵀ: panels × [d][cols]   (panel P holds keys [P·cols, (P+1)·cols), transposed)
 ///   V:  v_chunks × [seq_kv][vw] (chunk c holds columns [c·vw, (c+1)·vw) of every value row)
 template <class Acc>
 struct flash_scratch {
-  std::vector<Acc> q;      ///< bq_pad × d: the Q tile, converted to Acc
-  std::vector<Acc> s;      ///< bq_pad × lds: scores S, then probabilities P, of one tile
-  std::vector<Acc> acc;    ///< bq_pad × dp: the unnormalised output accumulator
-  std::vector<Acc> m, l;   ///< bq_pad: running max (base 2) and running sum per row
-  std::vector<Acc> alpha;  ///< bq_pad: this tile's rescale factor per row
-  std::vector<Acc> kt;     ///< panels × d × cols: packed Kᵀ of one kv head
-  std::vector<Acc> v;      ///< v_chunks × seq_kv × vw: packed V of one kv head
+  line_vector<Acc> q;      ///< bq_pad × d: the Q tile, converted to Acc
+  line_vector<Acc> s;      ///< bq_pad × lds: scores S, then probabilities P, of one tile
+  line_vector<Acc> acc;    ///< bq_pad × dp: the unnormalised output accumulator
+  line_vector<Acc> m, l;   ///< bq_pad: running max (base 2) and running sum per row
+  line_vector<Acc> alpha;  ///< bq_pad: this tile's rescale factor per row
+  line_vector<Acc> kt;     ///< panels × d × cols: packed Kᵀ of one kv head
+  line_vector<Acc> v;      ///< v_chunks × seq_kv × vw: packed V of one kv head
   std::vector<unsigned char> packed;  ///< per panel: already packed for (cached_b, cached_h)
   std::vector<signed char> v_finite;  ///< per panel: its V rows are all finite (1), are not (0), unchecked (−1)
   index_t cached_b = -1, cached_h = -1;
 
-  /// Elements of Acc this scratch holds for a plan (also what flash_scratch_bytes counts).
-  static index_t elements(const flash_plan& f, index_t seq_kv) {
-    return f.bq_pad * f.d + f.bq_pad * f.lds + f.bq_pad * f.dp + 3 * f.bq_pad + f.panels * f.d * f.cols +
-           f.v_chunks * seq_kv * f.vw;
+  /// Elements of Acc of one packed kv head: the Kᵀ panels, then the V chunks.
+  static index_t kv_elements(const flash_plan& f, index_t seq_kv) {
+    return f.panels * f.d * f.cols + f.v_chunks * seq_kv * f.vw;
+  }
+  /// Elements of Acc this scratch holds for a plan (also what flash_scratch_bytes counts); `kv_cache` false when
+  /// the call packs every kv head once into a shared buffer instead (see flash_tile_loop).
+  static index_t elements(const flash_plan& f, index_t seq_kv, bool kv_cache = true) {
+    return f.bq_pad * f.d + f.bq_pad * f.lds + f.bq_pad * f.dp + 3 * f.bq_pad +
+           (kv_cache ? kv_elements(f, seq_kv) : 0);
   }
 
-  /// Sizes the buffers for a plan and forgets the cached kv head. Buffers only grow, so a thread's scratch is
-  /// reused across calls without touching fresh pages or zero-filling megabytes each time. Stale contents are
-  /// harmless: S columns outside the tile's keys are overwritten with −inf, and V columns past d only reach
-  /// accumulator columns that are never read.
-  void allocate(const flash_plan& f, index_t seq_kv) {
+  /// Sizes the buffers for a plan (the packed K/V cache only when `kv_cache`) and forgets the cached kv head.
+  /// Buffers only grow and are not zero-filled, so a thread's scratch is reused across calls without touching
+  /// fresh pages. Every element is written before it is read: S columns outside the tile's keys are set to −inf,
+  /// packing zero-fills the Kᵀ columns past seq_kv and the V columns past d.
+  void allocate(const flash_plan& f, index_t seq_kv, bool kv_cache = true) {
     auto grow = [](auto& buf, index_t n) {
       if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
     };
@@ -141,9 +176,11 @@ struct flash_scratch {
     grow(m, f.bq_pad);
     grow(l, f.bq_pad);
     grow(alpha, f.bq_pad);
-    grow(kt, f.panels * f.d * f.cols);
-    grow(v, f.v_chunks * seq_kv * f.vw);
-    grow(packed, f.panels);
+    if (kv_cache) {
+      grow(kt, f.panels * f.d * f.cols);
+      grow(v, f.v_chunks * seq_kv * f.vw);
+      grow(packed, f.panels);
+    }
     grow(v_finite, f.panels);
     cached_b = cached_h = -1;
   }
@@ -164,25 +201,28 @@ struct flash_call {
   float* lse;
   const flash_plan& plan;
   accum_t<T>* partial;  ///< decode split only: [b][h][q-tile][chunk][bq_pad][dp + 2]
+  accum_t<T>* packed;   ///< shared packed K/V, [b][h_kv][kv_elements], or nullptr: per-thread caches
 };
 
-/// Packs panel `pn` (keys [pn·cols, min((pn + 1)·cols, seq_kv))) of kv head (b, h_kv) into the cache,
-/// converting to Acc (half types convert here, once per key per thread):
-///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c];
+/// Packs panel `pn` (keys [pn·cols, min((pn + 1)·cols, seq_kv))) of kv head (b, h_kv) into the packed head at
+/// `kt_head` / `v_head` (f.kv_elements layout), converting to Acc (half types convert here, once per key):
+///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c], 0 past seq_kv;
 ///   V: for each column chunk, v[key][x] = v[key][chunk·vw + x], 0 past d.
 template <class T, class Acc>
 void pack_panel(const tensor_ref<const T>& k, const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv,
-                index_t b, index_t h_kv, index_t pn, flash_scratch<Acc>& sc) {
+                index_t b, index_t h_kv, index_t pn, Acc* kt_head, Acc* v_head) {
   const index_t k0 = pn * f.cols, kn = std::min(f.cols, seq_kv - k0);
-  Acc* kt = sc.kt.data() + pn * f.d * f.cols;
+  Acc* kt = kt_head + pn * f.d * f.cols;
   for (index_t j = 0; j < kn; ++j) {
     const T* kr = k.row(b, h_kv, k0 + j);
     for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
   }
+  if (kn < f.cols)
+    for (index_t c = 0; c < f.d; ++c) std::fill(kt + c * f.cols + kn, kt + (c + 1) * f.cols, Acc(0));
   for (index_t j = 0; j < kn; ++j) {
     const T* vr = v.row(b, h_kv, k0 + j);
     for (index_t ch = 0; ch < f.v_chunks; ++ch) {
-      Acc* dst = sc.v.data() + (ch * seq_kv + k0 + j) * f.vw;
+      Acc* dst = v_head + (ch * seq_kv + k0 + j) * f.vw;
       const index_t c0 = ch * f.vw, cn = std::max<index_t>(0, std::min(f.vw, f.d - c0));
       for (index_t x = 0; x < cn; ++x) dst[x] = static_cast<Acc>(vr[c0 + x]);
       for (index_t x = cn; x < f.vw; ++x) dst[x] = Acc(0);
@@ -263,11 +303,20 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
   const index_t h_kv = p.kv_head(h);
   const index_t qn = q1 - q0;
 
+  // Packed Kᵀ/V of kv head (b, h_kv): the call's shared copy (already packed), or this thread's cache, packed
+  // panel by panel on first use.
+  Acc* kt_head = sc.kt.data();
+  Acc* v_head = sc.v.data();
+  // The per-panel flags (packed, V finite) belong to one kv head: forget them when the head changes.
   if (sc.cached_b != b || sc.cached_h != h_kv) {
-    std::fill(sc.packed.begin(), sc.packed.begin() + f.panels, static_cast<unsigned char>(0));
+    if (!call.packed) std::fill(sc.packed.begin(), sc.packed.begin() + f.panels, static_cast<unsigned char>(0));
     std::fill(sc.v_finite.begin(), sc.v_finite.begin() + f.panels, static_cast<signed char>(-1));
     sc.cached_b = b;
     sc.cached_h = h_kv;
+  }
+  if (call.packed) {
+    kt_head = call.packed + (b * p.heads_kv + h_kv) * flash_scratch<Acc>::kv_elements(f, p.seq_kv);
+    v_head = kt_head + f.panels * f.d * f.cols;
   }
 
   // Q tile (qn × d), converted to Acc. The scale is applied in the softmax.
@@ -291,14 +340,15 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
       const index_t k1 = std::min(seg_end, (k0 / f.bkv + 1) * f.bkv);
       const index_t kn = k1 - k0;
       const index_t kb = k0 / f.cols * f.cols, ke = round_up(k1, f.cols), width = ke - kb;
-      for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
-        if (!sc.packed[static_cast<std::size_t>(pn)]) {
-          pack_panel(call.k, call.v, f, p.seq_kv, b, h_kv, pn, sc);
-          sc.packed[static_cast<std::size_t>(pn)] = 1;
-        }
+      if (!call.packed)
+        for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
+          if (!sc.packed[static_cast<std::size_t>(pn)]) {
+            pack_panel(call.k, call.v, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
+            sc.packed[static_cast<std::size_t>(pn)] = 1;
+          }
 
       // S (qn × width) = Q (qn × d) · Kᵀ (d × width), panel by panel.
-      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, sc.kt.data() + kb * f.d, f.d, qn, width, sc.s.data(), f.lds);
+      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, kt_head + kb * f.d, f.d, qn, width, sc.s.data(), f.lds);
 
       // Mask: columns outside [k0, k1) always; forbidden keys only on tiles the mask calls partial.
       const bool partial = mask.is_partial(q0, q1, k0, k1);
@@ -319,7 +369,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
         pv_tile_allowed(mask, call.v, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
                         sc.acc.data(), f.dp);
       else
-        cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, sc.v.data() + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
+        cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, v_head + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
                                 sc.alpha.data(), sc.acc.data(), f.dp, qn);
       k0 = k1;
     }
@@ -383,13 +433,25 @@ void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t
   }
 }
 
-/// Bytes of scratch one call allocates: per-thread flash_scratch × threads, plus the decode split's partial
-/// results (b·h·q-tiles·chunks·bq_pad·(dp + 2) accumulators) when the plan splits the keys.
+/// Whether a call with `threads` threads packs every kv head once into one shared buffer (in parallel, before
+/// any tile) instead of one packed cache per thread: when there are fewer kv heads (b·h_kv) than threads, so that
+/// several threads would otherwise pack the same head. The shared buffer is then smaller than the caches.
+inline bool share_packed_kv(const problem& p, index_t threads) {
+  return threads > 1 && p.batch * p.heads_kv < threads;
+}
+
+/// Bytes of scratch one call allocates: per-thread flash_scratch × threads (with a packed K/V cache each, or the
+/// shared packed K/V of all b·h_kv heads once, see share_packed_kv), plus the decode split's partial results
+/// (b·h·q-tiles·chunks·bq_pad·(dp + 2) accumulators) when the plan splits the keys.
 template <class Acc, class Arch>
 index_t scratch_bytes(const problem& p, const flash_plan& f, index_t threads) {
-  const index_t per_thread = flash_scratch<Acc>::elements(f, p.seq_kv) * index_t(sizeof(Acc)) + 2 * f.panels;
+  const bool shared = share_packed_kv(p, threads);
+  // + per panel: the v_finite flags, and the `packed` flags of the per-thread cache
+  const index_t per_thread =
+      flash_scratch<Acc>::elements(f, p.seq_kv, !shared) * index_t(sizeof(Acc)) + (shared ? 1 : 2) * f.panels;
   const index_t partials = f.chunks > 1 ? p.batch * p.heads * f.q_tiles() * f.chunks * f.bq_pad * partial_row(f) : 0;
-  return threads * per_thread + partials * index_t(sizeof(Acc));
+  const index_t packed = shared ? p.batch * p.heads_kv * flash_scratch<Acc>::kv_elements(f, p.seq_kv) : 0;
+  return threads * per_thread + (partials + packed) * index_t(sizeof(Acc));
 }
 
 /// The calling thread's flash scratch (one per OpenMP worker, reused across calls; see flash_scratch::allocate).
@@ -409,6 +471,8 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
   using Acc = accum_t<T>;
   flash_plan plan;
   std::vector<Acc> partial;
+  line_vector<Acc> packed;
+  bool shared = false;
   const index_t heads_total = p.batch * p.heads;
   index_t items = 0;
   int n_threads = 1;
@@ -422,10 +486,16 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
     items = heads_total * plan.q_tiles() * plan.chunks;
     n_threads = static_cast<int>(std::max<index_t>(1, std::min<index_t>(threads, items)));
     if (plan.chunks > 1) partial.resize(static_cast<std::size_t>(items * plan.bq_pad * partial_row(plan)));
+    shared = share_packed_kv(p, n_threads);
+    if (shared)
+      packed.resize(static_cast<std::size_t>(p.batch * p.heads_kv * flash_scratch<Acc>::kv_elements(plan, p.seq_kv)));
   } catch (const std::bad_alloc&) {
     return oom();
   }
-  const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial.empty() ? nullptr : partial.data()};
+  Acc* const partial_rows = partial.empty() ? nullptr : partial.data();
+  const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial_rows, shared ? packed.data() : nullptr};
+  const index_t kv_heads = p.batch * p.heads_kv;
+  const index_t head_elements = flash_scratch<Acc>::kv_elements(plan, p.seq_kv);
   const index_t q_tiles = plan.q_tiles();
   const index_t part_stride = plan.bq_pad * partial_row(plan);
   int failed = 0;
@@ -438,7 +508,7 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
     const cpu::flush_denormals_scope flush_denormals;
     flash_scratch<Acc>& sc = thread_scratch<Acc>();
     try {
-      sc.allocate(plan, p.seq_kv);
+      sc.allocate(plan, p.seq_kv, !shared);
     } catch (const std::bad_alloc&) {
 #if defined(_OPENMP)
 #pragma omp atomic write
@@ -452,6 +522,19 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
 #endif
     any_failed = failed;
     if (!any_failed) {
+      if (call.packed) {
+        // Shared packed K/V: every panel of every kv head once, split across the threads; the loop's implicit
+        // barrier orders it before any tile reads it.
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (index_t hp = 0; hp < kv_heads * plan.panels; ++hp) {
+          const index_t bh_kv = hp / plan.panels;
+          Acc* kt_head = call.packed + bh_kv * head_elements;
+          pack_panel(k, v, plan, p.seq_kv, bh_kv / p.heads_kv, bh_kv % p.heads_kv, hp % plan.panels, kt_head,
+                     kt_head + plan.panels * plan.d * plan.cols);
+        }
+      }
 #if defined(_OPENMP)
 #pragma omp for schedule(guided)
 #endif
