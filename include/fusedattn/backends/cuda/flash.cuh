@@ -96,6 +96,7 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
+  constexpr bool band = std::is_same_v<Mask, band_mask>;
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
@@ -108,18 +109,13 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
 
-  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t.
+  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t. M-tile mt of this warp covers
+  // rows [mt_row(mt), mt_row(mt) + 16); this thread holds rows mt_row(mt) + g and mt_row(mt) + g + 8 of it.
   const int q0 = m_block * BM;
   const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile; m-tile mt covers 16 rows from +16·mt
-  int mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    mq0[mt] = q0 + warp_row + 16 * mt;
-    mq1[mt] = mq0[mt] + 16 < p.seq_q ? mq0[mt] + 16 : p.seq_q;
-    row[mt][0] = mq0[mt] + g;
-    row[mt][1] = mq0[mt] + g + 8;
-  }
+  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile
+  const auto mt_row = [&](int mt) { return q0 + warp_row + 16 * mt; };
+  const auto mt_end = [&](int mt) { return mt_row(mt) + 16 < p.seq_q ? mt_row(mt) + 16 : p.seq_q; };
 
   const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
@@ -128,15 +124,13 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
   // The key tiles: each of the mask's segments (one for a band, the runs of listed blocks for block-sparse) cut into
   // BN-aligned tiles, none visited twice; k0 = -1 ends the walk. A split (band only) takes an equal share of the
-  // tiles of its one segment.
+  // tiles of its one segment. The current segment is [seg_begin, k_end).
   const Mask mask = head_mask(p.mask, b, h);
-  const int n_segments = int(mask.num_segments(q0, q1));
-  int segment = 0, k_first = -1, k_end = 0, seg_begin = 0;  // the current segment is [seg_begin, k_end)
-  if (n_segments > 0) {
-    const kv_span seg = mask.segment(q0, q1, 0);
-    k_first = int(seg.begin / BN) * BN;
-    seg_begin = int(seg.begin);
-    k_end = int(seg.end);
+  key_segments<Mask> segments(mask, q0, q1);
+  const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
+  int k_first = -1, seg_begin = 0, k_end = 0;
+  if (segments.next(seg_begin, k_end)) {
+    k_first = seg_begin / BN * BN;
     if (p.splits > 1) {
       const int tiles = (k_end - k_first + BN - 1) / BN;
       const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
@@ -146,12 +140,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
   auto next_tile = [&](int k0) {
     if (k0 + BN < k_end) return k0 + BN;
-    while (++segment < n_segments) {
-      const kv_span seg = mask.segment(q0, q1, segment);
-      const int aligned = int(seg.begin / BN) * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
-      if (k < seg.end) {
-        seg_begin = int(seg.begin);
-        k_end = int(seg.end);
+    int begin = 0, end = 0;
+    while (segments.next(begin, end)) {
+      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
+      if (k < end) {
+        seg_begin = begin;
+        k_end = end;
         return k;
       }
     }
@@ -218,28 +212,49 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
-    // (A band's segment test would be the full test anyway: keep the band path free of it.)
-    const bool inside_segment = !std::is_same_v<Mask, band_mask> && k0 >= seg_begin && k0 + BN <= k_end;
+    // Per-element mask, only on tiles that need it. A band tests the tile against its edges and the end of the keys.
+    // A block-sparse tile inside one segment (a run of listed blocks) can only be cut by the element rule `within`
+    // and the end of the keys; a tile that crosses a segment's edge also holds keys of unlisted blocks, so the warp
+    // first marks its BN keys listed or not (one bit each, bit c of word c / 32 for key k0 + c).
+    std::uint32_t pk[MT][BN / 8][2];  // P packed to 16 bits as soon as it is known: rows g and g + 8 of each key tile
+    bool crossing = false;
+    std::uint32_t listed[band ? 1 : BN / 32];
+    if constexpr (!band) {
+      crossing = k0 < seg_begin || k0 + BN > k_end;
+      if (crossing) {
+        const index_t qb = q0 / mask.block_q;
+#pragma unroll
+        for (int w = 0; w < BN / 32; ++w) {
+          const int j = k0 + 32 * w + lane;
+          listed[w] = __ballot_sync(0xffffffffu, j < p.seq_kv && mask.find(qb, j / mask.block_kv) >= 0);
+        }
+      }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      // Per-element mask, only where the tile crosses the band edge, a block-sparse run's edge or the end of the keys.
-      if (inside_segment ? partial_inside_segment(mask, mq0[mt], mq1[mt], k0, k0 + BN)
-                         : mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
+      const bool masked = crossing || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
+      if (masked) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (!mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
+          for (int e = 0; e < 4; ++e) {
+            const int c = n * 8 + 2 * t + (e & 1), i = mt_row(mt) + g + 8 * (e / 2), j = k0 + c;
+            bool ok = rule.allowed(i, j);
+            if constexpr (!band) ok = ok && (!crossing || ((listed[c / 32] >> (c % 32)) & 1u));
+            if (!ok) s[mt][n][e] = neg_inf;
+          }
       }
 
       // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
+      // The row max is taken on the raw scores and scaled once (scale > 0).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_run[mt][r];
+        float mx = neg_inf;
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]) * p.scale_log2);
+        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(m_run[mt][r], mx * p.scale_log2);
         const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
         const float alpha = fast_exp2(m_run[mt][r] - m_use);
         m_run[mt][r] = mx;
@@ -252,6 +267,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
             sum += s[mt][n][e];
           }
         l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) pk[mt][n][r] = mma_type<E>::pack(s[mt][n][2 * r], s[mt][n][2 * r + 1]);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
           acc[mt][n][2 * r] *= alpha;
@@ -268,17 +285,17 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       cp_async_commit();
     }
 
-    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A
-    // fragment; one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
+    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the packed P of key tiles 2kk, 2kk + 1 is the A fragment;
+    // one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       std::uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = mma_type<E>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = mma_type<E>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = mma_type<E>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = mma_type<E>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        a[mt][0] = pk[mt][2 * kk][0];
+        a[mt][1] = pk[mt][2 * kk][1];
+        a[mt][2] = pk[mt][2 * kk + 1][0];
+        a[mt][3] = pk[mt][2 * kk + 1][1];
       }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
@@ -308,8 +325,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        if (row[mt][r] >= p.seq_q) continue;
-        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row[mt][r];
+        const int row = mt_row(mt) + g + 8 * r;
+        if (row >= p.seq_q) continue;
+        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
         if (t == 0) p.lse_part[part_row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
@@ -326,9 +344,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
-      if (p.lse != nullptr && t == 0 && row[mt][r] < p.seq_q)
-        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[mt][r]] =
-            l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+      const int row = mt_row(mt) + g + 8 * r;
+      if (p.lse != nullptr && t == 0 && row < p.seq_q)
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
       if constexpr (!Tile::q_in_registers) __syncwarp();  // this warp's Q reads are done before O overwrites them
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
