@@ -57,8 +57,10 @@ struct flash_params_t {
 using flash_params = flash_params_t<band_mask>;
 
 /// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
-/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles.
-template <int HeadDim, int Warps, int BlockN, int WarpRows = 16>
+/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles. `Stages` K/V buffers: 1 streams V of
+/// tile t during Q·Kᵀ of t and K of t + 1 during P·V of t (two barriers per tile); 2 loads K and V of tile t + 1
+/// into the other buffer while all of tile t runs (one barrier per tile).
+template <int HeadDim, int Warps, int BlockN, int WarpRows = 16, int Stages = 1>
 struct flash_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int warps = Warps;
@@ -67,12 +69,14 @@ struct flash_tile {
   static constexpr int block_m = WarpRows * Warps;  ///< query rows per block
   static constexpr int block_n = BlockN;            ///< keys per tile
   static constexpr int chunks = HeadDim / 8;        ///< 16-byte chunks per row
-  static constexpr int smem_elems = (block_m + 2 * block_n) * HeadDim;  ///< Q, K and V tiles
+  static constexpr int stages = Stages;
+  static constexpr int smem_elems = (block_m + 2 * Stages * block_n) * HeadDim;  ///< Q, K and V tiles
   /// One 16-row tile keeps its Q fragments in registers; two re-read them from shared memory (register budget).
   static constexpr bool q_in_registers = WarpRows == 16;
   static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
   static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
   static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
+  static_assert(Stages == 1 || Stages == 2, "flash keeps one or two K/V buffers");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
@@ -100,8 +104,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
-  E* sk = sq + BM * D;                     // [BN][D] swizzled
-  E* sv = sk + BN * D;                     // [BN][D] swizzled
+  E* sk = sq + BM * D;                     // [stages][BN][D] swizzled
+  E* sv = sk + Tile::stages * BN * D;      // [stages][BN][D] swizzled
 
   // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
   const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
@@ -154,8 +158,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
-  if (k_first >= 0)
+  if (k_first >= 0) {
     load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
+    if constexpr (Tile::stages == 2)
+      load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows_left(k_first, p.seq_kv, BN));
+  }
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -176,10 +183,25 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
-  for (int k0 = k_first, k_next = -1; k0 >= 0; k0 = k_next) {
-    // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
-    load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
-    cp_async_commit();
+  for (int k0 = k_first, k_next = -1, stage = 0; k0 >= 0; k0 = k_next, stage ^= Tile::stages - 1) {
+    [[maybe_unused]] const int tile_begin = seg_begin, tile_end = k_end;  // this tile's segment (next_tile moves on)
+    const E* sk_t = sk + stage * BN * D;
+    const E* sv_t = sv + stage * BN * D;
+    if constexpr (Tile::stages == 1) {
+      // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
+      load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+      cp_async_commit();
+    } else {
+      // K and V of the next tile stream into the other buffer while this whole tile runs (every warp finished the
+      // tile that last used it at the closing barrier).
+      k_next = next_tile(k0);
+      if (k_next >= 0) {
+        const int rows = rows_left(k_next, p.seq_kv, BN);
+        load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows);
+        load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows);
+        cp_async_commit();
+      }
+    }
 
     // S (16 × BN per m-tile) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles,
     // used by every m-tile.
@@ -203,7 +225,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         std::uint32_t kf[4];
-        ldmatrix_x4(kf, sk + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+        ldmatrix_x4(kf, sk_t + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<E>(s[mt][2 * np], a[mt], kf[0], kf[1]);
@@ -220,7 +242,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     bool crossing = false;
     std::uint32_t listed[band ? 1 : BN / 32];
     if constexpr (!band) {
-      crossing = k0 < seg_begin || k0 + BN > k_end;
+      crossing = k0 < tile_begin || k0 + BN > tile_end;
       if (crossing) {
         const index_t qb = q0 / mask.block_q;
 #pragma unroll
@@ -277,12 +299,14 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
-    cp_async_wait<0>();
-    __syncthreads();  // V landed; every warp is done with this K tile
-    k_next = next_tile(k0);
-    if (k_next >= 0) {
-      load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
-      cp_async_commit();
+    if constexpr (Tile::stages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V landed; every warp is done with this K tile
+      k_next = next_tile(k0);
+      if (k_next >= 0) {
+        load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
+        cp_async_commit();
+      }
     }
 
     // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the packed P of key tiles 2kk, 2kk + 1 is the A fragment;
@@ -300,7 +324,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t vf[4];
-        ldmatrix_x4_trans(vf, sv + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+        ldmatrix_x4_trans(vf, sv_t + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
@@ -309,7 +333,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
     cp_async_wait<0>();
-    __syncthreads();  // the next K tile landed; every warp is done with this V tile
+    __syncthreads();  // the next tile's loads landed; every warp is done with this tile's buffers
   }
 
   // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
@@ -397,16 +421,18 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
 
 /// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
 /// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
-/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles).
+/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles). head_dim 128
+/// keeps two K/V buffers (96 KB of shared memory: two blocks per multiprocessor on sm_90, one on sm_80's 164 KB);
+/// head_dim 64 one (a second costs it register spills).
 template <int HeadDim>
 struct flash_default_tile;
 template <>
 struct flash_default_tile<64> {
-  using type = flash_tile<64, 4, 128, 32>;
+  using type = flash_tile<64, 4, 128, 32, 1>;
 };
 template <>
 struct flash_default_tile<128> {
-  using type = flash_tile<128, 4, 64, 32>;
+  using type = flash_tile<128, 4, 64, 32, 2>;
 };
 
 /// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and
