@@ -250,6 +250,7 @@ void flash_suite(const shape& c) {
   if (c.d == 128) {
     time_tile<T, cb::flash_tile<128, 4, 64, 32, 1>>(c, x, "w4 n64 r32 s1");
     time_tile<T, cb::flash_tile<128, 4, 32, 32, 2>>(c, x, "w4 n32 r32 s2");
+    time_tile<T, cb::flash_tile<128, 8, 64, 32, 2>>(c, x, "w8 n64 r32 s2");
   } else {
     time_tile<T, cb::flash_tile<64, 4, 128, 32, 2>>(c, x, "w4 n128 r32 s2");
     time_tile<T, cb::flash_tile<64, 4, 64, 32, 2>>(c, x, "w4 n64 r32 s2");
@@ -355,11 +356,34 @@ void block_sparse_suite(int h, int s, double sparsity) {
               queued, dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms);
 }
 
+/// One call each of dense flash (2,16,8192,128) f16 and block-sparse flash (1,16,10000,128) on a device layout, for
+/// a profiler (bench_gpu OUT.jsonl profile).
+void profile_calls() {
+  using T = Eigen::half;
+  const shape c{2, 16, 8192, 128, false};
+  operands<T> x(c, 1);
+  const fa::policy::cuda pol{nullptr, fa::policy::cuda_kernel::flash};
+  if (!fa::attend(pol, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]), x.out(), fa::dense{}, x.lse)) std::exit(1);
+  const shape cs{1, 16, 10000, 128, false};
+  operands<T> xs(cs, 1);
+  const fa::block_layout layout = fa::random_layout(fa::block_geometry{10000, 10000, 128, 512, 1, 16}, 0.9, 42);
+  fa::cuda::device_block_layout device_layout;
+  if (!fa::cuda::upload(layout, device_layout)) std::exit(1);
+  if (!fa::attend(pol, xs.p, xs.view(xs.q[0]), xs.view(xs.k[0]), xs.view(xs.v[0]), xs.out(),
+                  fa::cuda::device_block_sparse{device_layout}, xs.lse))
+    std::exit(1);
+  BENCH_CHECK(cudaDeviceSynchronize());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1) json = std::fopen(argv[1], "w");
   if (json == nullptr) return 1;
+  if (argc > 2 && std::string(argv[2]) == "profile") {
+    profile_calls();
+    return 0;
+  }
   cudaDeviceProp prop{};
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
