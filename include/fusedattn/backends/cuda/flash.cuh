@@ -129,8 +129,6 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   // The key tiles: each of the mask's segments (one for a band, the runs of listed blocks for block-sparse) cut into
   // BN-aligned tiles, none visited twice; k0 = -1 ends the walk. A split (band only) takes an equal share of the
   // tiles of its one segment. The current segment is [seg_begin, k_end).
-  // Q streams in first: the layout lookups below (block-sparse) wait on global loads meanwhile.
-  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
   const Mask mask = head_mask(p.mask, b, h);
   key_segments<Mask> segments(mask, q0, q1);
   const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
@@ -159,6 +157,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   };
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
+  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
   if (k_first >= 0) {
     load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
     if constexpr (Tile::stages == 2)

@@ -64,7 +64,6 @@ struct key_segments<block_sparse_mask> {
   const block_index* cols;
   index_t u, u_end;         ///< cursor over this q-block row's runs (or blocks)
   index_t lo, hi, block_kv; ///< the keys `within` allows these rows, and the block width
-  index_t next_first = 0, next_last = 0;  ///< keys [first, last) of run u, loaded one segment ahead
   __device__ __forceinline__ key_segments(const block_sparse_mask& m, index_t q0, index_t q1)
       : runs(m.run_offsets ? m.runs : nullptr), cols(m.cols), block_kv(m.block_kv) {
     const index_t qb = q0 / m.block_q;
@@ -73,21 +72,13 @@ struct key_segments<block_sparse_mask> {
     hi = keys.end;
     u = m.run_offsets ? m.run_offsets[qb] : m.row_offsets[qb];
     u_end = keys.empty() ? u : m.run_offsets ? m.run_offsets[qb + 1] : m.row_offsets[qb + 1];
-    fetch();
-  }
-  /// Loads the bounds of run u (when there is one), so that its latency passes while the current segment runs.
-  __device__ __forceinline__ void fetch() {
-    if (u < u_end) {
-      next_first = (runs ? runs[2 * u] : cols[u]) * block_kv;
-      next_last = (runs ? runs[2 * u + 1] : cols[u] + 1) * block_kv;
-    }
   }
   /// The next non-empty segment [begin, end); false when none is left.
   __device__ __forceinline__ bool next(int& begin, int& end) {
     while (u < u_end) {
-      const index_t first = next_first, last = next_last;
+      const index_t first = (runs ? runs[2 * u] : cols[u]) * block_kv;
+      const index_t last = (runs ? runs[2 * u + 1] : cols[u] + 1) * block_kv;
       ++u;
-      fetch();
       if (first >= hi) break;  // ascending: no later run reaches the allowed keys either
       const index_t b = first > lo ? first : lo, e = last < hi ? last : hi;
       if (b < e) {
