@@ -10,8 +10,8 @@
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
 /// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
-/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: V of tile t streams in during Q·Kᵀ of tile t,
-/// K of tile t + 1 during P·V of tile t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
+/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: with one K/V buffer, V of tile t streams in
+/// during Q·Kᵀ of tile t and K of tile t + 1 during P·V of tile t; with two, K and V of tile t + 1 during all of t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
 /// the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
 #pragma once
 
