@@ -50,6 +50,17 @@ inline band_mask bind_band(const any_mask& mask, const problem& p) {
       mask);
 }
 
+/// Checks case `c`'s O and the lse a kernel wrote against the oracle's expectation `e`.
+template <class T>
+void check_outputs(const attention_case<T>& c, const expected& e, const std::vector<float>& lse) {
+  const double err = max_abs_error(c.o.view, e.ref.o);
+  INFO("max error " << err << " tolerance " << e.tolerance);
+  CHECK(err <= e.tolerance);
+  const double lse_err = max_lse_error(lse, e.ref.lse);
+  INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance);
+  CHECK(lse_err <= e.lse_tolerance);
+}
+
 /// Runs `pol` on a fresh random case and checks O and lse against the float64 oracle.
 template <class T, class Policy>
 void check_against_oracle(const Policy& pol, const problem& p, layout l, const any_mask& mask) {
@@ -64,12 +75,7 @@ void check_against_oracle(const Policy& pol, const problem& p, layout l, const a
   INFO(st.what());
   REQUIRE(st.ok());
   const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, p)); }, mask);
-  const double err = max_abs_error(c.o.view, e.ref.o);
-  INFO("max error " << err << " tolerance " << e.tolerance);
-  CHECK(err <= e.tolerance);
-  const double lse_err = max_lse_error(lse, e.ref.lse);
-  INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance);
-  CHECK(lse_err <= e.lse_tolerance);
+  check_outputs(c, e, lse);
 }
 
 }  // namespace fusedattn::testing
