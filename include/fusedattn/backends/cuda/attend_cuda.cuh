@@ -1,6 +1,7 @@
 /// @file attend_cuda.cuh
 /// The CUDA side of `attend`: checks that every pointer is device memory, picks flash or the naive pipeline for
-/// policy::cuda's `kernel`, and runs it on the policy's stream. Included by dispatch/attend.hpp when
+/// policy::cuda's `kernel`, and runs it on the policy's stream; block-sparse layouts come copied per call or already
+/// on the device (cuda::device_block_sparse). Included by dispatch/attend.hpp when
 /// FUSEDATTN_WITH_CUDA is 1; a translation unit that sees it must be compiled by nvcc (a .cu file).
 #pragma once
 
