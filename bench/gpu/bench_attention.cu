@@ -113,6 +113,32 @@ double median_ms(Run run, int sets) {
   return ms[ms.size() / 2];
 }
 
+/// Median time in ms of one call when `calls` calls are queued back to back between two events (the host's launch
+/// work then overlaps the previous call's kernel, as in a pipeline): over rotating sets, 3 warm-up rounds, 30 rounds.
+template <class Run>
+double median_ms_queued(Run run, int sets, int calls) {
+  cudaEvent_t start, stop;
+  BENCH_CHECK(cudaEventCreate(&start));
+  BENCH_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3 * calls; ++i) run(i % sets);
+  BENCH_CHECK(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int round = 0; round < 30; ++round) {
+    BENCH_CHECK(cudaEventRecord(start));
+    for (int i = 0; i < calls; ++i) run((round * calls + i) % sets);
+    BENCH_CHECK(cudaEventRecord(stop));
+    BENCH_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t / float(calls));
+  }
+  BENCH_CHECK(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 FILE* json = stdout;
 
 void report(const char* dtype, const shape& c, const std::string& kernel, double ms) {
@@ -220,15 +246,14 @@ void flash_suite(const shape& c) {
   operands<T> x(c, sets_for(c, 2));
   time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
 #if FUSEDATTN_BENCH_TILE_SWEEP
+  // The default tile against the other K/V buffer count and a narrower key tile.
   if (c.d == 128) {
-    time_tile<T, cb::flash_tile<128, 4, 64>>(c, x, "w4 n64 r16");
-    time_tile<T, cb::flash_tile<128, 4, 64, 32>>(c, x, "w4 n64 r32");
-    time_tile<T, cb::flash_tile<128, 4, 32, 32>>(c, x, "w4 n32 r32");
-    time_tile<T, cb::flash_tile<128, 8, 64>>(c, x, "w8 n64 r16");
+    time_tile<T, cb::flash_tile<128, 4, 64, 32, 1>>(c, x, "w4 n64 r32 s1");
+    time_tile<T, cb::flash_tile<128, 4, 32, 32, 2>>(c, x, "w4 n32 r32 s2");
+    time_tile<T, cb::flash_tile<128, 8, 64, 32, 2>>(c, x, "w8 n64 r32 s2");
   } else {
-    time_tile<T, cb::flash_tile<64, 4, 128>>(c, x, "w4 n128 r16");
-    time_tile<T, cb::flash_tile<64, 4, 64, 32>>(c, x, "w4 n64 r32");
-    time_tile<T, cb::flash_tile<64, 4, 128, 32>>(c, x, "w4 n128 r32");
+    time_tile<T, cb::flash_tile<64, 4, 128, 32, 2>>(c, x, "w4 n128 r32 s2");
+    time_tile<T, cb::flash_tile<64, 4, 64, 32, 2>>(c, x, "w4 n64 r32 s2");
   }
 #endif
 }
@@ -278,35 +303,76 @@ void decode_suite(int b, int h, int s_kv, int d) {
 }
 
 /// Block-sparse flash against dense flash on the same inputs (f16, B = 1, D = 128, blocks 128 × 512, one random
-/// pattern per head at `sparsity`); the layout is copied to the device inside every call, as attend does.
+/// pattern per head at `sparsity`): the layout copied to the device inside every call (block_sparse{layout}), and
+/// uploaded once (cuda::device_block_sparse). The ideal speed-up is 1 / active fraction.
 void block_sparse_suite(int h, int s, double sparsity) {
   using T = Eigen::half;
   const shape c{1, h, s, 128, false};
   operands<T> x(c, sets_for(c, 2));
   const fa::block_layout layout = fa::random_layout(fa::block_geometry{s, s, 128, 512, 1, h}, sparsity, 42);
-  const auto run = [&](int i, bool sparse) {
-    const fa::policy::cuda pol{nullptr, fa::policy::cuda_kernel::flash};
-    const fa::status st = sparse ? fa::attend(pol, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(),
-                                              fa::block_sparse{layout}, x.lse)
-                                 : fa::attend(pol, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(),
-                                              fa::dense{}, x.lse);
+  fa::cuda::device_block_layout device_layout;
+  if (const fa::status st = fa::cuda::upload(layout, device_layout); !st) {
+    std::fprintf(stderr, "upload: %s\n", st.what());
+    std::exit(1);
+  }
+  const fa::policy::cuda pol{nullptr, fa::policy::cuda_kernel::flash};
+  const auto check = [](const fa::status& st) {
     if (!st) {
       std::fprintf(stderr, "attend: %s\n", st.what());
       std::exit(1);
     }
   };
-  const double dense_ms = median_ms([&](int i) { run(i, false); }, x.sets);
-  const double sparse_ms = median_ms([&](int i) { run(i, true); }, x.sets);
-  const double visited = double(layout.view().row_offsets[layout.view().geometry.rows()]) /
-                         double(layout.view().geometry.rows() * layout.view().geometry.n_kv_blocks());
+  const auto dense_call = [&](int i) {
+    check(fa::attend(pol, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::dense{}, x.lse));
+  };
+  const auto device_call = [&](int i) {
+    check(fa::attend(pol, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(),
+                     fa::cuda::device_block_sparse{device_layout}, x.lse));
+  };
+  const double dense_ms = median_ms(dense_call, x.sets);
+  const double copied_ms = median_ms(
+      [&](int i) {
+        check(fa::attend(pol, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(), fa::block_sparse{layout}, x.lse));
+      },
+      x.sets);
+  const double device_ms = median_ms(device_call, x.sets);
+  constexpr int queued = 10;
+  const double dense_queued_ms = median_ms_queued(dense_call, x.sets, queued);
+  const double device_queued_ms = median_ms_queued(device_call, x.sets, queued);
+  const double active = layout.density();
   std::fprintf(json,
                "{\"dtype\":\"f16\",\"b\":1,\"h\":%d,\"s\":%d,\"d\":128,\"mask\":\"block_sparse %.2f\","
                "\"kernel\":\"block-sparse vs dense flash\",\"dense_ms\":%.5f,\"sparse_ms\":%.5f,\"speedup\":%.2f,"
-               "\"active_fraction\":%.4f}\n",
-               h, s, sparsity, dense_ms, sparse_ms, dense_ms / sparse_ms, visited);
-  std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks): dense flash %.3f ms, "
-              "sparse flash %.3f ms, speed-up %.2fx\n",
-              h, s, sparsity, visited, dense_ms, sparse_ms, dense_ms / sparse_ms);
+               "\"device_layout_ms\":%.5f,\"device_layout_speedup\":%.2f,\"dense_queued_ms\":%.5f,"
+               "\"device_layout_queued_ms\":%.5f,\"device_layout_queued_speedup\":%.2f,\"active_fraction\":%.4f,"
+               "\"ideal_speedup\":%.2f}\n",
+               h, s, sparsity, dense_ms, copied_ms, dense_ms / copied_ms, device_ms, dense_ms / device_ms,
+               dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, active, 1.0 / active);
+  std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks, ideal %.2fx): dense flash "
+              "%.3f ms; sparse, layout copied per call %.3f ms (%.2fx); sparse, device layout %.3f ms (%.2fx)\n",
+              h, s, sparsity, active, 1.0 / active, dense_ms, copied_ms, dense_ms / copied_ms, device_ms,
+              dense_ms / device_ms);
+  std::printf("      queued %d calls back to back: dense flash %.3f ms, sparse (device layout) %.3f ms per call (%.2fx)\n",
+              queued, dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms);
+}
+
+/// One call each of dense flash (2,16,8192,128) f16 and block-sparse flash (1,16,10000,128) on a device layout, for
+/// a profiler (bench_gpu OUT.jsonl profile).
+void profile_calls() {
+  using T = Eigen::half;
+  const shape c{2, 16, 8192, 128, false};
+  operands<T> x(c, 1);
+  const fa::policy::cuda pol{nullptr, fa::policy::cuda_kernel::flash};
+  if (!fa::attend(pol, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]), x.out(), fa::dense{}, x.lse)) std::exit(1);
+  const shape cs{1, 16, 10000, 128, false};
+  operands<T> xs(cs, 1);
+  const fa::block_layout layout = fa::random_layout(fa::block_geometry{10000, 10000, 128, 512, 1, 16}, 0.9, 42);
+  fa::cuda::device_block_layout device_layout;
+  if (!fa::cuda::upload(layout, device_layout)) std::exit(1);
+  if (!fa::attend(pol, xs.p, xs.view(xs.q[0]), xs.view(xs.k[0]), xs.view(xs.v[0]), xs.out(),
+                  fa::cuda::device_block_sparse{device_layout}, xs.lse))
+    std::exit(1);
+  BENCH_CHECK(cudaDeviceSynchronize());
 }
 
 }  // namespace
@@ -314,6 +380,10 @@ void block_sparse_suite(int h, int s, double sparsity) {
 int main(int argc, char** argv) {
   if (argc > 1) json = std::fopen(argv[1], "w");
   if (json == nullptr) return 1;
+  if (argc > 2 && std::string(argv[2]) == "profile") {
+    profile_calls();
+    return 0;
+  }
   cudaDeviceProp prop{};
   BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);

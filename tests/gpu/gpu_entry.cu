@@ -24,6 +24,23 @@ status attend_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<cons
   return attend(policy::cuda{nullptr, kernel}, p, q, k, v, o, mask, lse);
 }
 
+template <class T>
+status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                            tensor_ref<const T> v, tensor_ref<T> o, const block_sparse& mask, float* lse,
+                            bool skip_upload) {
+  cuda::device_block_layout layout;
+  if (!skip_upload)
+    if (status st = cuda::upload(mask.layout, layout); !st) return st;
+  const status st = attend(policy::cuda{nullptr, kernel}, p, q, k, v, o, cuda::device_block_sparse{layout, mask.within}, lse);
+  const status sync = synchronize();  // the layout is freed below: the kernel must be done with it
+  return st ? sync : st;
+}
+
+status upload_status(const block_layout_view& layout) {
+  cuda::device_block_layout dev;
+  return cuda::upload(layout, dev);
+}
+
 status synchronize() {
   if (status st = cuda_backend::from_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !st) return st;
   return cuda_backend::from_cuda(cudaGetLastError(), "a kernel");
@@ -31,7 +48,10 @@ status synchronize() {
 
 #define FUSEDATTN_GPU_ENTRY(T)                                                                                 \
   template status attend_cuda<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>, tensor_ref<const T>, \
-                                 tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);
+                                 tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);              \
+  template status attend_cuda_uploaded<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,              \
+                                          tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>,               \
+                                          const block_sparse&, float*, bool);
 FUSEDATTN_GPU_ENTRY(Eigen::half)
 FUSEDATTN_GPU_ENTRY(Eigen::bfloat16)
 FUSEDATTN_GPU_ENTRY(float)

@@ -21,6 +21,17 @@ template <class T>
 status attend_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
                    tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse);
 
+/// The same call with block_sparse's layout uploaded first (cuda::upload) and passed as cuda::device_block_sparse
+/// (no copy per call); synchronizes before the device layout is freed. With `skip_upload` the device layout stays
+/// empty (attend must refuse it). Returns the first failing status (upload, launch or synchronisation).
+template <class T>
+status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                            tensor_ref<const T> v, tensor_ref<T> o, const block_sparse& mask, float* lse,
+                            bool skip_upload = false);
+
+/// The status of cuda::upload for a layout view (the device copy is dropped).
+status upload_status(const block_layout_view& layout);
+
 /// cudaDeviceSynchronize (and the last error) as a status: where an asynchronous kernel fault shows.
 status synchronize();
 

@@ -58,18 +58,22 @@ bool gaps_untouched(const tensor_ref<T>& v, const std::vector<T>& now, const std
   return true;
 }
 
-/// Outputs of one kernel run on the device for a case (O copied back into the case's host buffer).
+/// Outputs of one kernel run on the device for a case (O copied back into the case's host buffer). With `uploaded`
+/// the mask must be a block_sparse; its layout is uploaded once and passed as cuda::device_block_sparse.
 template <class T>
-std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask) {
+std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask, bool uploaded = false) {
   const problem& p = c.p;
   gpu::device_buffer<T> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
   std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 123.0f);
   gpu::device_buffer<float> lse_d(lse);
   REQUIRE((q.ok() && k.ok() && v.ok() && o.ok() && lse_d.ok()));
-  const status st = gpu::attend_cuda<T>(kernel, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), q.data()),
-                                        gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), k.data()),
-                                        gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data()),
-                                        gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data()), mask, lse_d.data());
+  const auto qd = gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), q.data());
+  const auto kd = gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), k.data());
+  const auto vd = gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data());
+  const auto od = gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data());
+  REQUIRE((!uploaded || std::holds_alternative<block_sparse>(mask)));
+  const status st = uploaded ? gpu::attend_cuda_uploaded<T>(kernel, p, qd, kd, vd, od, std::get<block_sparse>(mask), lse_d.data())
+                             : gpu::attend_cuda<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data());
   INFO(st.what());
   REQUIRE(st.ok());
   const status sync = gpu::synchronize();
@@ -83,14 +87,14 @@ std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const
 /// One kernel on a fresh random case against the float64 oracle: O (absolute tolerance of the CPU suite and a
 /// relative bound), lse, and the gaps of a padded O left alone.
 template <class T>
-void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask) {
+void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask, bool uploaded = false) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   attention_case<T> c(p, l, rng);
   INFO(kernel_name(kernel) << " " << scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " "
-                           << layout_name(l) << " seed=" << seed);
+                           << layout_name(l) << (uploaded ? " (device layout)" : "") << " seed=" << seed);
   const std::vector<T> o_before = c.o.buf;
-  const std::vector<float> lse = run_on_device(kernel, c, mask);
+  const std::vector<float> lse = run_on_device(kernel, c, mask, uploaded);
   const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, p)); }, mask);
   const double err = max_abs_error(c.o.view, e.ref.o);
   INFO("max error " << err << " tolerance " << e.tolerance);
@@ -186,6 +190,7 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
   const problem ps{1, 2, 2, 256, 300, 128};
   const block_layout layout = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
   check_gpu<Eigen::half>(cuda_kernel::flash, ps, layout::bhsd, block_sparse{layout, causal{}});
+  check_gpu<Eigen::half>(cuda_kernel::flash, ps, layout::bhsd, block_sparse{layout, window{40, 10}}, true);
   check_gpu<Eigen::half>(cuda_kernel::naive, ps, layout::bhsd, block_sparse{layout});
 }
 
@@ -234,6 +239,34 @@ TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing writt
                                      block_sparse{small_blocks}, nullptr);
   CHECK(st.code() == errc::unsupported);
   CHECK(std::string(st.what()).find("block_q") != std::string::npos);
+  // Device layouts: a malformed layout is refused by upload; an empty device layout and one built for another
+  // sequence length are refused by attend, nothing written.
+  const std::vector<index_t> offsets{0, 2};
+  const std::vector<block_index> unsorted{1, 0};
+  block_layout_view bad;
+  bad.geometry = block_geometry{64, 128, 64, 64, 1, 1};
+  bad.row_offsets = offsets.data();
+  bad.n_row_offsets = 2;
+  bad.cols = unsorted.data();
+  bad.n_cols = 2;
+  st = gpu::upload_status(bad);
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(std::string(st.what()).find("cols[1]") != std::string::npos);
+  const auto q16 = bhsd<const Eigen::half>(q.data(), p.q_dims()), k16 = bhsd<const Eigen::half>(k.data(), p.kv_dims()),
+             v16 = bhsd<const Eigen::half>(v.data(), p.kv_dims());
+  const auto o16 = bhsd(o.data(), p.o_dims());
+  const block_layout fits = dense_layout(block_geometry{16, 16, 64, 64, 1, 1});
+  st = gpu::attend_cuda_uploaded<Eigen::half>(cuda_kernel::automatic, p, q16, k16, v16, o16, block_sparse{fits}, nullptr,
+                                              true);
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(std::string(st.what()).find("empty") != std::string::npos);
+  const block_layout other = dense_layout(block_geometry{32, 16, 64, 64, 1, 1});
+  st = gpu::attend_cuda_uploaded<Eigen::half>(cuda_kernel::automatic, p, q16, k16, v16, o16, block_sparse{other}, nullptr);
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(std::string(st.what()).find("device_block_sparse.layout.seq_q is 32") != std::string::npos);
+  std::vector<Eigen::half> o_after(c.o.buf.size());
+  o.copy_to(o_after);
+  CHECK(unchanged(o_after, c.o.buf));
   REQUIRE(gpu::synchronize().ok());
 }
 
@@ -256,8 +289,17 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
     for (const auto& within : withins) {
       const block_geometry g{c.p.seq_q, c.p.seq_kv, c.block_q, c.block_kv, 1, c.per_head ? c.p.heads : 1};
       const block_layout layout = random_layout(g, c.sparsity, fresh_seed());
+      // The same blocks without the merged runs (a hand-made view): one segment per block.
+      block_layout_view no_runs = layout.view();
+      no_runs.run_offsets = nullptr;
+      no_runs.runs = nullptr;
+      no_runs.n_run_offsets = no_runs.n_runs = 0;
       for (cuda_kernel kernel : {cuda_kernel::flash, cuda_kernel::naive})
-        check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{layout, within});
+        for (bool uploaded : {false, true}) {
+          check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{layout, within}, uploaded);
+          if (kernel == cuda_kernel::flash)
+            check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{no_runs, within}, uploaded);
+        }
     }
   // q-blocks smaller than flash's q-tile: automatic takes the naive pipeline, still right.
   const problem p{1, 2, 2, 200, 200, 64};
@@ -274,8 +316,11 @@ TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block
   const std::vector<float> lse_dense = run_on_device(cuda_kernel::flash, c, dense{});
   std::vector<double> dense_o(c.o.buf.size());
   for (std::size_t e = 0; e < dense_o.size(); ++e) dense_o[e] = static_cast<double>(c.o.buf[e]);
-  const std::vector<float> lse_sparse = run_on_device(cuda_kernel::flash, c, block_sparse{all});
-  CHECK(relative_error(c.o.view, dense_o) <= relative_bound<TestType>());
   std::vector<double> lse_ref(lse_dense.begin(), lse_dense.end());
-  CHECK(max_lse_error(lse_sparse, lse_ref) <= 1e-5);
+  for (bool uploaded : {false, true}) {
+    INFO((uploaded ? "device layout" : "layout copied per call"));
+    const std::vector<float> lse_sparse = run_on_device(cuda_kernel::flash, c, block_sparse{all}, uploaded);
+    CHECK(relative_error(c.o.view, dense_o) <= relative_bound<TestType>());
+    CHECK(max_lse_error(lse_sparse, lse_ref) <= 1e-5);
+  }
 }

@@ -1,6 +1,7 @@
 /// @file attend_cuda.cuh
 /// The CUDA side of `attend`: checks that every pointer is device memory, picks flash or the naive pipeline for
-/// policy::cuda's `kernel`, and runs it on the policy's stream. Included by dispatch/attend.hpp when
+/// policy::cuda's `kernel`, and runs it on the policy's stream; block-sparse layouts come copied per call or already
+/// on the device (cuda::device_block_sparse). Included by dispatch/attend.hpp when
 /// FUSEDATTN_WITH_CUDA is 1; a translation unit that sees it must be compiled by nvcc (a .cu file).
 #pragma once
 
@@ -19,6 +20,7 @@
 #include "../../dispatch/policy.hpp"
 #include "../../kernels/block_sparse.hpp"
 #include "../../kernels/mask.hpp"
+#include "device_layout.cuh"
 #include "device_types.cuh"
 #include "error.cuh"
 #include "flash.cuh"
@@ -65,29 +67,19 @@ inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
                                  " (its q-tile); block_q is " + std::to_string(m.block_q)};
 }
 
-/// A copy of a block-sparse mask whose CSR arrays live in device memory (freed with `arena`, in stream order).
+/// A copy of a block-sparse mask whose CSR arrays live in device memory: one allocation (freed with `arena`, in
+/// stream order) and one copy of the packed arrays.
 inline status layout_to_device(const block_sparse_mask& host, scratch_arena& arena, cudaStream_t stream,
                                block_sparse_mask& dev) {
   const index_t rows = host.pattern_batch * host.pattern_heads * host.n_q_blocks;
-  dev = host;
-  const auto copy = [&](auto& dst, const auto* src, index_t count, const char* what) -> status {
-    using X = std::remove_const_t<std::remove_pointer_t<std::remove_reference_t<decltype(dst)>>>;
-    X* d = nullptr;
-    if (status st = arena.allocate(d, count > 0 ? count : 1, what); !st) return st;
-    if (count > 0)
-      if (status st = from_cuda(cudaMemcpyAsync(d, src, sizeof(X) * std::size_t(count), cudaMemcpyHostToDevice, stream),
-                                "cudaMemcpyAsync(block-sparse layout)");
-          !st)
-        return st;
-    dst = d;
-    return {};
-  };
-  if (status st = copy(dev.row_offsets, host.row_offsets, rows + 1, "block-sparse row offsets"); !st) return st;
-  if (status st = copy(dev.cols, host.cols, host.row_offsets[rows], "block-sparse columns"); !st) return st;
-  if (host.run_offsets != nullptr) {
-    if (status st = copy(dev.run_offsets, host.run_offsets, rows + 1, "block-sparse run offsets"); !st) return st;
-    if (status st = copy(dev.runs, host.runs, 2 * host.run_offsets[rows], "block-sparse runs"); !st) return st;
-  }
+  const packed_layout pk = pack_layout(rows, host.row_offsets, host.cols, host.run_offsets, host.runs);
+  unsigned char* d = nullptr;
+  if (status st = arena.allocate(d, index_t(pk.bytes.size()), "block-sparse layout"); !st) return st;
+  if (status st = from_cuda(cudaMemcpyAsync(d, pk.bytes.data(), pk.bytes.size(), cudaMemcpyHostToDevice, stream),
+                            "cudaMemcpyAsync(block-sparse layout)");
+      !st)
+    return st;
+  dev = rebase(host, pk, d);
   return {};
 }
 
@@ -147,6 +139,32 @@ status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>&
   block_sparse_mask on_device;
   if (status st = cuda_backend::layout_to_device(mask, arena, stream, on_device); !st) return st;
   return cuda_backend::attend(pol, p, q, k, v, o, on_device, lse);
+}
+/// policy::cuda with a layout already in device memory (cuda::device_block_sparse): no copy; the layout's geometry
+/// is checked against the problem first.
+template <class T>
+status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+           const tensor_ref<const T>& v, const tensor_ref<T>& o, const cuda::device_block_sparse_mask& mask,
+           float* lse) {
+  if (status st = cuda::check_geometry(mask.geometry, p); !st) return st;
+  return cuda_backend::attend(pol, p, q, k, v, o, mask.mask, lse);
+}
+/// Device memory on a CPU policy is a compile-time misuse.
+template <class T>
+struct device_mask_on_cpu : std::false_type {};
+template <class T>
+status run(const policy::cpu_naive&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
+           const tensor_ref<const T>&, const tensor_ref<T>&, const cuda::device_block_sparse_mask&, float*) {
+  static_assert(device_mask_on_cpu<T>::value,
+                "cuda::device_block_sparse holds device memory: use it with policy::cuda (CPU policies take block_sparse)");
+  return {};
+}
+template <class Arch, class T>
+status run(const policy::cpu<Arch>&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
+           const tensor_ref<const T>&, const tensor_ref<T>&, const cuda::device_block_sparse_mask&, float*) {
+  static_assert(device_mask_on_cpu<T>::value,
+                "cuda::device_block_sparse holds device memory: use it with policy::cuda (CPU policies take block_sparse)");
+  return {};
 }
 /// policy::cuda: see cuda_backend::attend.
 template <class T>

@@ -10,8 +10,8 @@
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
 /// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
-/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: V of tile t streams in during Q·Kᵀ of tile t,
-/// K of tile t + 1 during P·V of tile t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
+/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: with one K/V buffer, V of tile t streams in
+/// during Q·Kᵀ of tile t and K of tile t + 1 during P·V of tile t; with two, K and V of tile t + 1 during all of t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
 /// the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
 #pragma once
 
@@ -57,8 +57,10 @@ struct flash_params_t {
 using flash_params = flash_params_t<band_mask>;
 
 /// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
-/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles.
-template <int HeadDim, int Warps, int BlockN, int WarpRows = 16>
+/// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles. `Stages` K/V buffers: 1 streams V of
+/// tile t during Q·Kᵀ of t and K of t + 1 during P·V of t (two barriers per tile); 2 loads K and V of tile t + 1
+/// into the other buffer while all of tile t runs (one barrier per tile).
+template <int HeadDim, int Warps, int BlockN, int WarpRows = 16, int Stages = 1>
 struct flash_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int warps = Warps;
@@ -67,12 +69,14 @@ struct flash_tile {
   static constexpr int block_m = WarpRows * Warps;  ///< query rows per block
   static constexpr int block_n = BlockN;            ///< keys per tile
   static constexpr int chunks = HeadDim / 8;        ///< 16-byte chunks per row
-  static constexpr int smem_elems = (block_m + 2 * block_n) * HeadDim;  ///< Q, K and V tiles
+  static constexpr int stages = Stages;
+  static constexpr int smem_elems = (block_m + 2 * Stages * block_n) * HeadDim;  ///< Q, K and V tiles
   /// One 16-row tile keeps its Q fragments in registers; two re-read them from shared memory (register budget).
   static constexpr bool q_in_registers = WarpRows == 16;
   static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
   static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
   static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
+  static_assert(Stages == 1 || Stages == 2, "flash keeps one or two K/V buffers");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
@@ -96,11 +100,12 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
+  constexpr bool band = std::is_same_v<Mask, band_mask>;
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
-  E* sk = sq + BM * D;                     // [BN][D] swizzled
-  E* sv = sk + BN * D;                     // [BN][D] swizzled
+  E* sk = sq + BM * D;                     // [stages][BN][D] swizzled
+  E* sv = sk + Tile::stages * BN * D;      // [stages][BN][D] swizzled
 
   // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
   const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
@@ -108,18 +113,13 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
 
-  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t.
+  // Row and key indices fit in int (flash_grid_fits); offsets are formed in index_t. M-tile mt of this warp covers
+  // rows [mt_row(mt), mt_row(mt) + 16); this thread holds rows mt_row(mt) + g and mt_row(mt) + g + 8 of it.
   const int q0 = m_block * BM;
   const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile; m-tile mt covers 16 rows from +16·mt
-  int mq0[MT], mq1[MT], row[MT][2];  // rows [mq0, mq1) of each m-tile; the two rows this thread holds in it
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    mq0[mt] = q0 + warp_row + 16 * mt;
-    mq1[mt] = mq0[mt] + 16 < p.seq_q ? mq0[mt] + 16 : p.seq_q;
-    row[mt][0] = mq0[mt] + g;
-    row[mt][1] = mq0[mt] + g + 8;
-  }
+  const int warp_row = warp * 16 * MT;  // this warp's first row in the tile
+  const auto mt_row = [&](int mt) { return q0 + warp_row + 16 * mt; };
+  const auto mt_end = [&](int mt) { return mt_row(mt) + 16 < p.seq_q ? mt_row(mt) + 16 : p.seq_q; };
 
   const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
@@ -128,15 +128,13 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 
   // The key tiles: each of the mask's segments (one for a band, the runs of listed blocks for block-sparse) cut into
   // BN-aligned tiles, none visited twice; k0 = -1 ends the walk. A split (band only) takes an equal share of the
-  // tiles of its one segment.
+  // tiles of its one segment. The current segment is [seg_begin, k_end).
   const Mask mask = head_mask(p.mask, b, h);
-  const int n_segments = int(mask.num_segments(q0, q1));
-  int segment = 0, k_first = -1, k_end = 0, seg_begin = 0;  // the current segment is [seg_begin, k_end)
-  if (n_segments > 0) {
-    const kv_span seg = mask.segment(q0, q1, 0);
-    k_first = int(seg.begin / BN) * BN;
-    seg_begin = int(seg.begin);
-    k_end = int(seg.end);
+  key_segments<Mask> segments(mask, q0, q1);
+  const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
+  int k_first = -1, seg_begin = 0, k_end = 0;
+  if (segments.next(seg_begin, k_end)) {
+    k_first = seg_begin / BN * BN;
     if (p.splits > 1) {
       const int tiles = (k_end - k_first + BN - 1) / BN;
       const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
@@ -146,12 +144,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
   auto next_tile = [&](int k0) {
     if (k0 + BN < k_end) return k0 + BN;
-    while (++segment < n_segments) {
-      const kv_span seg = mask.segment(q0, q1, segment);
-      const int aligned = int(seg.begin / BN) * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
-      if (k < seg.end) {
-        seg_begin = int(seg.begin);
-        k_end = int(seg.end);
+    int begin = 0, end = 0;
+    while (segments.next(begin, end)) {
+      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
+      if (k < end) {
+        seg_begin = begin;
+        k_end = end;
         return k;
       }
     }
@@ -160,8 +158,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
-  if (k_first >= 0)
+  if (k_first >= 0) {
     load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
+    if constexpr (Tile::stages == 2)
+      load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows_left(k_first, p.seq_kv, BN));
+  }
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -182,10 +183,25 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
-  for (int k0 = k_first, k_next = -1; k0 >= 0; k0 = k_next) {
-    // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
-    load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
-    cp_async_commit();
+  for (int k0 = k_first, k_next = -1, stage = 0; k0 >= 0; k0 = k_next, stage ^= Tile::stages - 1) {
+    [[maybe_unused]] const int tile_begin = seg_begin, tile_end = k_end;  // this tile's segment (next_tile moves on)
+    const E* sk_t = sk + stage * BN * D;
+    const E* sv_t = sv + stage * BN * D;
+    if constexpr (Tile::stages == 1) {
+      // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
+      load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+      cp_async_commit();
+    } else {
+      // K and V of the next tile stream into the other buffer while this whole tile runs (every warp finished the
+      // tile that last used it at the closing barrier).
+      k_next = next_tile(k0);
+      if (k_next >= 0) {
+        const int rows = rows_left(k_next, p.seq_kv, BN);
+        load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows);
+        load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows);
+        cp_async_commit();
+      }
+    }
 
     // S (16 × BN per m-tile) = Q (16 × D) · Kᵀ (D × BN); one ldmatrix_x4 gives the B fragments of two 8-key tiles,
     // used by every m-tile.
@@ -209,7 +225,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         std::uint32_t kf[4];
-        ldmatrix_x4(kf, sk + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+        ldmatrix_x4(kf, sk_t + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<E>(s[mt][2 * np], a[mt], kf[0], kf[1]);
@@ -218,28 +234,49 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
-    // (A band's segment test would be the full test anyway: keep the band path free of it.)
-    const bool inside_segment = !std::is_same_v<Mask, band_mask> && k0 >= seg_begin && k0 + BN <= k_end;
+    // Per-element mask, only on tiles that need it. A band tests the tile against its edges and the end of the keys.
+    // A block-sparse tile inside one segment (a run of listed blocks) can only be cut by the element rule `within`
+    // and the end of the keys; a tile that crosses a segment's edge also holds keys of unlisted blocks, so the warp
+    // first marks its BN keys listed or not (one bit each, bit c of word c / 32 for key k0 + c).
+    std::uint32_t pk[MT][BN / 8][2];  // P packed to 16 bits as soon as it is known: rows g and g + 8 of each key tile
+    bool crossing = false;
+    std::uint32_t listed[band ? 1 : BN / 32];
+    if constexpr (!band) {
+      crossing = k0 < tile_begin || k0 + BN > tile_end;
+      if (crossing) {
+        const index_t qb = q0 / mask.block_q;
+#pragma unroll
+        for (int w = 0; w < BN / 32; ++w) {
+          const int j = k0 + 32 * w + lane;
+          listed[w] = __ballot_sync(0xffffffffu, j < p.seq_kv && mask.find(qb, j / mask.block_kv) >= 0);
+        }
+      }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      // Per-element mask, only where the tile crosses the band edge, a block-sparse run's edge or the end of the keys.
-      if (inside_segment ? partial_inside_segment(mask, mq0[mt], mq1[mt], k0, k0 + BN)
-                         : mask.is_partial(mq0[mt], mq1[mt], k0, k0 + BN)) {
+      const bool masked = crossing || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
+      if (masked) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (!mask.allowed(row[mt][e / 2], k0 + n * 8 + 2 * t + (e & 1))) s[mt][n][e] = neg_inf;
+          for (int e = 0; e < 4; ++e) {
+            const int c = n * 8 + 2 * t + (e & 1), i = mt_row(mt) + g + 8 * (e / 2), j = k0 + c;
+            bool ok = rule.allowed(i, j);
+            if constexpr (!band) ok = ok && (!crossing || ((listed[c / 32] >> (c % 32)) & 1u));
+            if (!ok) s[mt][n][e] = neg_inf;
+          }
       }
 
       // Online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row is spread over the 4 threads of a quad.
+      // The row max is taken on the raw scores and scaled once (scale > 0).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_run[mt][r];
+        float mx = neg_inf;
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]) * p.scale_log2);
+        for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(m_run[mt][r], mx * p.scale_log2);
         const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
         const float alpha = fast_exp2(m_run[mt][r] - m_use);
         m_run[mt][r] = mx;
@@ -253,6 +290,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
           }
         l_run[mt][r] = l_run[mt][r] * alpha + sum;
 #pragma unroll
+        for (int n = 0; n < BN / 8; ++n) pk[mt][n][r] = mma_type<E>::pack(s[mt][n][2 * r], s[mt][n][2 * r + 1]);
+#pragma unroll
         for (int n = 0; n < D / 8; ++n) {
           acc[mt][n][2 * r] *= alpha;
           acc[mt][n][2 * r + 1] *= alpha;
@@ -260,30 +299,32 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
 
-    cp_async_wait<0>();
-    __syncthreads();  // V landed; every warp is done with this K tile
-    k_next = next_tile(k0);
-    if (k_next >= 0) {
-      load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
-      cp_async_commit();
+    if constexpr (Tile::stages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V landed; every warp is done with this K tile
+      k_next = next_tile(k0);
+      if (k_next >= 0) {
+        load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
+        cp_async_commit();
+      }
     }
 
-    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the accumulators of key tiles 2kk, 2kk + 1 are the A
-    // fragment; one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
+    // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the packed P of key tiles 2kk, 2kk + 1 is the A fragment;
+    // one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       std::uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = mma_type<E>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = mma_type<E>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = mma_type<E>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = mma_type<E>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        a[mt][0] = pk[mt][2 * kk][0];
+        a[mt][1] = pk[mt][2 * kk][1];
+        a[mt][2] = pk[mt][2 * kk + 1][0];
+        a[mt][3] = pk[mt][2 * kk + 1][1];
       }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t vf[4];
-        ldmatrix_x4_trans(vf, sv + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+        ldmatrix_x4_trans(vf, sv_t + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
@@ -292,7 +333,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       }
     }
     cp_async_wait<0>();
-    __syncthreads();  // the next K tile landed; every warp is done with this V tile
+    __syncthreads();  // the next tile's loads landed; every warp is done with this tile's buffers
   }
 
   // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
@@ -308,8 +349,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        if (row[mt][r] >= p.seq_q) continue;
-        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row[mt][r];
+        const int row = mt_row(mt) + g + 8 * r;
+        if (row >= p.seq_q) continue;
+        const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
         if (t == 0) p.lse_part[part_row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
@@ -326,9 +368,9 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
-      if (p.lse != nullptr && t == 0 && row[mt][r] < p.seq_q)
-        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row[mt][r]] =
-            l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+      const int row = mt_row(mt) + g + 8 * r;
+      if (p.lse != nullptr && t == 0 && row < p.seq_q)
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
       if constexpr (!Tile::q_in_registers) __syncwarp();  // this warp's Q reads are done before O overwrites them
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
@@ -379,16 +421,18 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
 
 /// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
 /// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
-/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles).
+/// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles). head_dim 128
+/// keeps two K/V buffers (96 KB of shared memory: two blocks per multiprocessor on sm_90, one on sm_80's 164 KB);
+/// head_dim 64 one (a second costs it register spills).
 template <int HeadDim>
 struct flash_default_tile;
 template <>
 struct flash_default_tile<64> {
-  using type = flash_tile<64, 4, 128, 32>;
+  using type = flash_tile<64, 4, 128, 32, 1>;
 };
 template <>
 struct flash_default_tile<128> {
-  using type = flash_tile<128, 4, 64, 32>;
+  using type = flash_tile<128, 4, 64, 32, 2>;
 };
 
 /// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and

@@ -1,6 +1,6 @@
 /// @file head_mask.cuh
-/// The bound mask one (batch, head) of a kernel uses: a band is the same for every head; a block-sparse layout may
-/// hold one pattern per batch entry and head. Device-side selection only.
+/// The bound mask one (batch, head) of a kernel uses (a band is the same for every head; a block-sparse layout may
+/// hold one pattern per batch entry and head), and the walk over the key segments of one q-tile. Device side only.
 #pragma once
 
 #include "../../kernels/block_sparse.hpp"
@@ -14,17 +14,83 @@ __device__ __forceinline__ block_sparse_mask head_mask(const block_sparse_mask& 
   return for_head(m, b, h);
 }
 
-/// Whether a tile that lies inside one of the mask's segments needs per-element masking. A band's segment is its
-/// kv_range, whose edges are diagonal, so the full test stays; a block-sparse segment is a run of listed blocks, so
-/// only the element rule `within` (and the end of the keys) can still cut the tile: no search of the layout.
-__device__ __forceinline__ bool partial_inside_segment(const band_mask& m, index_t q0, index_t q1, index_t k0,
-                                                       index_t k1) {
-  return m.is_partial(q0, q1, k0, k1);
-}
-__device__ __forceinline__ bool partial_inside_segment(const block_sparse_mask& m, index_t q0, index_t q1, index_t k0,
-                                                       index_t k1) {
-  return m.band.is_partial(q0, q1, k0, k1);
-}
+/// A band rule in 32-bit arithmetic for the per-tile and per-element tests of the flash loop (rows and keys fit in
+/// int: flash_grid_fits): lo and hi are clamped to ±3·2^29, beyond any key − row difference, so the rule is the
+/// same and the tests cost 32-bit registers only.
+struct band32 {
+  int seq_kv, lo, hi;
+  __device__ __forceinline__ explicit band32(const band_mask& m) {
+    constexpr index_t bound = index_t(3) << 29;
+    seq_kv = int(m.seq_kv);
+    lo = int(m.lo < -bound ? -bound : m.lo > bound ? bound : m.lo);
+    hi = int(m.hi < -bound ? -bound : m.hi > bound ? bound : m.hi);
+  }
+  /// band_mask::allowed.
+  __device__ __forceinline__ bool allowed(int i, int j) const { return j >= 0 && j < seq_kv && j - i >= lo && j - i <= hi; }
+  /// band_mask::is_partial.
+  __device__ __forceinline__ bool is_partial(int q0, int q1, int k0, int k1) const {
+    return !(k1 <= seq_kv && k0 >= 0 && k0 - (q1 - 1) >= lo && (k1 - 1) - q0 <= hi);
+  }
+};
+__device__ __forceinline__ band32 element_rule(const band_mask& m) { return band32(m); }
+__device__ __forceinline__ band32 element_rule(const block_sparse_mask& m) { return band32(m.band); }
+
+/// The key segments one q-tile of rows [q0, q1) visits, in ascending order, one `next` at a time: a band has one
+/// (its kv_range); a block-sparse row has one per run of listed kv-blocks (or per block when the layout has no run
+/// arrays), clipped to the keys `within` lets these rows see. Only the row's run cursor is kept, so the walk costs a
+/// few registers and one pair of loads per segment (no searches).
+template <class Mask>
+struct key_segments;
+
+template <>
+struct key_segments<band_mask> {
+  kv_span keys;
+  bool done;
+  __device__ __forceinline__ key_segments(const band_mask& m, index_t q0, index_t q1)
+      : keys(m.kv_range(q0, q1)), done(keys.empty()) {}
+  /// The next segment [begin, end); false when none is left.
+  __device__ __forceinline__ bool next(int& begin, int& end) {
+    if (done) return false;
+    done = true;
+    begin = int(keys.begin);
+    end = int(keys.end);
+    return true;
+  }
+};
+
+template <>
+struct key_segments<block_sparse_mask> {
+  const block_index* runs;  ///< [first, last + 1) pairs, or nullptr: single blocks from `cols`
+  const block_index* cols;
+  index_t u, u_end;         ///< cursor over this q-block row's runs (or blocks)
+  index_t lo, hi, block_kv; ///< the keys `within` allows these rows, and the block width
+  __device__ __forceinline__ key_segments(const block_sparse_mask& m, index_t q0, index_t q1)
+      : runs(m.run_offsets ? m.runs : nullptr), cols(m.cols), block_kv(m.block_kv) {
+    const index_t qb = q0 / m.block_q;
+    const kv_span keys = m.band.kv_range(q0, q1);
+    lo = keys.begin;
+    hi = keys.end;
+    u = m.run_offsets ? m.run_offsets[qb] : m.row_offsets[qb];
+    u_end = keys.empty() ? u : m.run_offsets ? m.run_offsets[qb + 1] : m.row_offsets[qb + 1];
+  }
+  /// The next non-empty segment [begin, end); false when none is left.
+  __device__ __forceinline__ bool next(int& begin, int& end) {
+    while (u < u_end) {
+      const index_t first = (runs ? runs[2 * u] : cols[u]) * block_kv;
+      const index_t last = (runs ? runs[2 * u + 1] : cols[u] + 1) * block_kv;
+      ++u;
+      if (first >= hi) break;  // ascending: no later run reaches the allowed keys either
+      const index_t b = first > lo ? first : lo, e = last < hi ? last : hi;
+      if (b < e) {
+        begin = int(b);
+        end = int(e);
+        return true;
+      }
+    }
+    u = u_end;
+    return false;
+  }
+};
 
 }  // namespace cuda_backend
 }  // namespace fusedattn
