@@ -434,6 +434,9 @@ TEMPLATE_LIST_TEST_CASE("reliability: a NaN reaches only the outputs that depend
     // Block-sparse masks.
     nan_propagation<float>(pol, where, block_sparse{layout, causal{}}, layout::bhsd, p, at, {4, 4, 0});
     nan_propagation<Eigen::half>(pol, where, block_sparse{layout, dense{}}, layout::padded, p, at);
+    // More threads (5) than kv heads (4): flash packs K/V once for all threads, and a thread's per-panel flags
+    // must still follow the kv head it works on.
+    nan_propagation<float>(make_policy<TestType>(5), where, window{2, 1}, layout::bhsd, p, at, {4, 4, 0});
   }
 }
 
