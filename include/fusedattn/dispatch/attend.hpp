@@ -75,6 +75,8 @@ status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, co
 /// @param mask  dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or an any_mask.
 /// @param lse   optional output of batch·heads·seq_q floats laid out [b][h][i], natural log; nullptr for none.
 ///              A query row that sees no key gets O = 0 and lse = −inf.
+/// The CPU kernels run with subnormals flushed to zero (the caller's floating-point mode is restored), and a NaN
+/// in an input reaches only the outputs that depend on it: docs/design.md, "Numerics".
 /// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a
 ///         backend not compiled in, errc::out_of_memory when scratch cannot be allocated (nothing written).
 template <class Policy, class T, class Mask = dense>

@@ -33,7 +33,8 @@ index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles
 
 /// Flash attention on the CPU with the SIMD arch `Arch` (an xsimd arch, or scalar_arch): one online-softmax tile
 /// loop over the kv tiles the bound `mask` lists, `threads` threads over (batch, head, q-tile[, key chunk]).
-/// Results are bitwise identical for any thread count.
+/// Results are bitwise identical for any thread count. Every worker thread runs with flush-to-zero and
+/// denormals-are-zero (cpu/fp_env.hpp), restored on exit.
 /// Preconditions: the call was validated (validate.hpp). Returns errc::invalid_argument for threads < 1 or a
 /// negative tile size, errc::unsupported when this CPU cannot run `Arch`, errc::out_of_memory when the scratch
 /// (flash_scratch_bytes) cannot be allocated; nothing is written on failure.
