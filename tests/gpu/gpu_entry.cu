@@ -36,6 +36,11 @@ status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor
   return st ? sync : st;
 }
 
+status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,
+                        tensor_ref<const float> v, tensor_ref<float> o, float* lse) {
+  return attend(policy::cpu_naive{1}, p, q, k, v, o, dense{}, lse);
+}
+
 status upload_status(const block_layout_view& layout) {
   cuda::device_block_layout dev;
   return cuda::upload(layout, dev);

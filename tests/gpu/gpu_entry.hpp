@@ -29,6 +29,11 @@ status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor
                             tensor_ref<const T> v, tensor_ref<T> o, const block_sparse& mask, float* lse,
                             bool skip_upload = false);
 
+/// attend(policy::cpu_naive{1}, ..., dense{}) compiled by nvcc, i.e. with the backend, which can tell that
+/// device pointers were handed to a CPU policy.
+status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,
+                        tensor_ref<const float> v, tensor_ref<float> o, float* lse);
+
 /// The status of cuda::upload for a layout view (the device copy is dropped).
 status upload_status(const block_layout_view& layout);
 

@@ -214,6 +214,25 @@ TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing writt
                                      causal{}, lse.data());
   CHECK(st.code() == errc::invalid_argument);
   CHECK(std::string(st.what()).find("lse.data") != std::string::npos);
+  // The reverse: device memory handed to a CPU policy (from a translation unit built with the backend).
+  {
+    attention_case<float> cf(p, layout::bhsd, rng);
+    gpu::device_buffer<float> qf(cf.q.buf), kf(cf.k.buf), vf(cf.v.buf), of(cf.o.buf);
+    const std::vector<float> o_before = cf.o.buf;
+    st = gpu::attend_cpu_naive(p, bhsd<const float>(qf.data(), p.q_dims()), cf.k.cview(), cf.v.cview(), cf.o.view,
+                               nullptr);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("q.data is device memory") != std::string::npos);
+    st = gpu::attend_cpu_naive(p, cf.q.cview(), cf.k.cview(), cf.v.cview(), bhsd(of.data(), p.o_dims()), nullptr);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("o.data is device memory") != std::string::npos);
+    std::vector<float> o_back(cf.o.buf.size());
+    of.copy_to(o_back);
+    CHECK(o_back == o_before);
+    CHECK(cf.o.buf == o_before);
+    // Host memory still runs there.
+    CHECK(gpu::attend_cpu_naive(p, cf.q.cview(), cf.k.cview(), cf.v.cview(), cf.o.view, nullptr).ok());
+  }
   // Flash asked for where it does not apply: head_dim 80, f32.
   const problem p80{1, 1, 1, 16, 16, 80};
   gpu::device_buffer<Eigen::half> big(std::vector<Eigen::half>(16 * 80 * 4, Eigen::half(0.5f)));

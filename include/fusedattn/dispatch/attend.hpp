@@ -3,6 +3,7 @@
 /// the policy's kernel. Runtime mask choices (`any_mask`) become types here, once, with std::visit.
 #pragma once
 
+#include <utility>
 #include <variant>
 
 #include "../core/problem.hpp"
@@ -26,12 +27,29 @@ using any_mask = std::variant<dense, causal, window, block_sparse>;
 
 namespace detail {
 
+/// CPU policies given device memory: detectable only where the CUDA backend is compiled in (an nvcc translation
+/// unit), where cudaPointerGetAttributes tells device memory from host memory; elsewhere there is nothing to ask.
+template <class T>
+status check_host_memory(const tensor_ref<const T>& q, const tensor_ref<const T>& k, const tensor_ref<const T>& v,
+                         const tensor_ref<T>& o, const float* lse) {
+#if FUSEDATTN_WITH_CUDA
+  const std::pair<const void*, const char*> operands[] = {{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
+                                                          {o.data, "o"}, {lse, "lse"}};
+  for (const auto& [ptr, name] : operands)
+    if (status st = cuda_backend::check_host_pointer(ptr, name); !st) return st;
+#else
+  (void)q, (void)k, (void)v, (void)o, (void)lse;
+#endif
+  return {};
+}
+
 template <class T, class Bound>
 status run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<const T>& q,
            const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
            float* lse) {
   if (pol.threads <= 0)
     return status::invalid("policy.threads is " + std::to_string(pol.threads) + "; it must be >= 1");
+  if (status st = check_host_memory(q, k, v, o, lse); !st) return st;
   return kernels::naive_attention(p, q, k, v, o, mask, lse, pol.threads);
 }
 
@@ -39,6 +57,7 @@ template <class Arch, class T, class Bound>
 status run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<const T>& q,
            const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
            float* lse) {
+  if (status st = check_host_memory(q, k, v, o, lse); !st) return st;
   return kernels::flash_attention<T, Arch>(p, q, k, v, o, mask, lse, pol.threads, pol.tiles);
 }
 

@@ -45,5 +45,21 @@ inline status check_device_pointer(const void* ptr, const char* name) {
   return {};
 }
 
+/// The reverse check, for the CPU policies in a translation unit built with the backend: errc::invalid_argument
+/// naming `name` when `ptr` is device memory (the host cannot read it). Host, pinned and managed memory, a
+/// pointer the runtime does not know, and a machine without a usable device are all ok: nothing to detect.
+inline status check_host_pointer(const void* ptr, const char* name) {
+  if (ptr == nullptr) return {};
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  if (attr.type == cudaMemoryTypeDevice)
+    return status::invalid(std::string(name) +
+                           ".data is device memory; the CPU policies take host pointers (policy::cuda runs on it)");
+  return {};
+}
+
 }  // namespace cuda_backend
 }  // namespace fusedattn
