@@ -1,7 +1,8 @@
 // The CUDA kernels against the float64 oracle (copied back to the host): flash and naive × dtype × mask × tail
 // shapes × layouts, split-KV decode, block-sparse layouts, flash == naive and block_sparse(all) == flash on the
-// device, and the CUDA policy's error statuses.
+// device, the CUDA policy's error statuses, and run-to-run determinism.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -341,5 +342,41 @@ TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block
     const std::vector<float> lse_sparse = run_on_device(cuda_kernel::flash, c, block_sparse{all}, uploaded);
     CHECK(relative_error(c.o.view, dense_o) <= relative_bound<TestType>());
     CHECK(max_lse_error(lse_sparse, lse_ref) <= 1e-5);
+  }
+}
+
+TEST_CASE("cuda forward is deterministic: the same inputs give bitwise the same O and lse on every run",
+          "[gpu][determinism]") {
+  // Each kernel (flash, its split-KV decode, block-sparse through a device layout, the cuBLAS naive pipeline) runs
+  // three times on one case; O and lse must match the first run bit for bit (docs/design.md, Numerics).
+  struct run_case {
+    cuda_kernel kernel;
+    problem p;
+    any_mask mask;
+    bool uploaded;
+  };
+  const problem p{2, 4, 2, 300, 517, 128}, decode{1, 4, 1, 1, 6000, 64}, sparse{1, 2, 2, 512, 1024, 128};
+  const block_layout layout = random_layout(block_geometry{512, 1024, 128, 64, 1, 2}, 0.6, fresh_seed());
+  const run_case cases[] = {
+      {cuda_kernel::flash, p, dense{}, false},
+      {cuda_kernel::flash, p, causal{align::bottom_right}, false},
+      {cuda_kernel::flash, decode, window{3000, 0, align::bottom_right}, false},
+      {cuda_kernel::flash, sparse, block_sparse{layout, causal{}}, true},
+      {cuda_kernel::naive, p, window{64, 16}, false},
+  };
+  for (const run_case& rc : cases) {
+    const std::uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    attention_case<Eigen::half> c(rc.p, layout::bhsd, rng);
+    INFO(kernel_name(rc.kernel) << " " << describe(rc.p) << " " << describe(rc.mask) << " seed=" << seed);
+    const std::vector<Eigen::half> o_initial = c.o.buf;
+    const std::vector<float> lse_first = run_on_device(rc.kernel, c, rc.mask, rc.uploaded);
+    const std::vector<Eigen::half> o_first = c.o.buf;
+    for (int again = 0; again < 2; ++again) {
+      c.o.buf = o_initial;
+      const std::vector<float> lse = run_on_device(rc.kernel, c, rc.mask, rc.uploaded);
+      CHECK(std::memcmp(c.o.buf.data(), o_first.data(), o_first.size() * sizeof(Eigen::half)) == 0);
+      CHECK(std::memcmp(lse.data(), lse_first.data(), lse.size() * sizeof(float)) == 0);
+    }
   }
 }
