@@ -91,9 +91,10 @@ struct flash_tile {
 /// group r·Chunks mod 8, which takes only 8 / G values over 8 rows (a multiple of G). The swizzle XORs the chunk
 /// index with sigma(r) = (r / (8 / G)) mod G, constant over 8 / G rows and taking all G values over 8 rows, so
 /// (r·Chunks mod 8, sigma(r)) is different for each of 8 consecutive rows and so is their group
-/// (r·Chunks + (c ^ sigma(r))) mod 8. The XOR only permutes chunks inside an aligned group of G chunks, which lies
-/// in one row (G divides Chunks) and in one 8-aligned run of the tile (G divides 8), so 8 consecutive chunks of the
-/// tile still fill the 8 groups. With G = 8 this is chunk ^ (row mod 8).
+/// (r·Chunks + (c ^ sigma(r))) mod 8, whose low log2(G) bits are (c mod G) ^ sigma(r) and whose high bits move with
+/// r·Chunks mod 8. The XOR only permutes chunks inside an aligned group of G chunks, which lies in one row (G divides
+/// Chunks) and in one 8-aligned run of the tile (G divides 8), so 8 consecutive chunks of the tile still fill the 8
+/// groups. With G = 8 this is chunk ^ (row mod 8).
 template <int Chunks>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
   static_assert(Chunks % 4 == 0, "the swizzle needs a multiple of four 16-byte chunks per row");
@@ -441,11 +442,14 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
 /// keeps two K/V buffers (96 KB of shared memory: two blocks per multiprocessor on sm_90, one on sm_80's 164 KB);
 /// head_dim 64 one (a second costs it register spills).
 /// The others follow the register budget (a thread holds O as head_dim / 8 × 4 floats per 16-row m-tile, S as
-/// block_n / 8 × 4): head_dim 32 (O: 32 floats for two m-tiles) takes head_dim 64's tile with two K/V buffers
-/// (40 KB); head_dim 96 (O: 96 floats) head_dim 128's (72 KB); head_dim 256 (O: 128 floats for one m-tile) warps of
-/// 16 rows with Q re-read from shared memory and one K/V buffer of 64 keys (96 KB).
-/// Every tile needs at most 99 KB of shared memory, the per-block limit of sm_86 / sm_89 (sm_80 163 KB, sm_90
-/// 227 KB), and none spills registers on sm_80 or sm_90 (ptxas -v).
+/// block_n / 8 × 4) and bench/gpu/head_dim_sweep.cu (f16, (4, 16, 4096), dense and causal, H200): head_dim 32
+/// (O: 32 floats for two m-tiles) takes head_dim 64's tile with two K/V buffers (40 KB; 3-5 % ahead of one buffer
+/// or 64 keys);
+/// head_dim 96 (O: 96 floats) head_dim 128's warps and 64-key tiles with one buffer (48 KB; two tie within 1 % but
+/// spill 12 bytes on sm_90); head_dim 256 (O: 128 floats for one m-tile) warps of 16 rows with Q re-read from
+/// shared memory and one K/V buffer of 64 keys (96 KB; 2-6 % ahead of 8 warps, 17 % of two 32-key buffers).
+/// Every default tile needs at most 99 KB of shared memory, the per-block limit of sm_86 / sm_89 (sm_80 163 KB,
+/// sm_90 227 KB); the new ones spill no registers on sm_80 or sm_90 (ptxas -v).
 template <int HeadDim>
 struct flash_default_tile;
 template <>
@@ -458,7 +462,7 @@ struct flash_default_tile<64> {
 };
 template <>
 struct flash_default_tile<96> {
-  using type = flash_tile<96, 4, 64, 32, 2>;
+  using type = flash_tile<96, 4, 64, 32, 1>;
 };
 template <>
 struct flash_default_tile<128> {
@@ -475,6 +479,7 @@ struct head_dim_list {};
 using flash_head_dims = head_dim_list<32, 64, 96, 128, 256>;
 inline constexpr const char* flash_head_dims_text = "32, 64, 96, 128 and 256";
 
+/// with_default_tile's walk over the list, one head dimension at a time.
 template <class R, class F>
 R with_tile_of(index_t, R otherwise, F&, head_dim_list<>) {
   return otherwise;
