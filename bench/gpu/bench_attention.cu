@@ -192,7 +192,8 @@ void time_default_once(const shape& c, operands<T>& x) {
   BENCH_CHECK(cudaDeviceSynchronize());
 }
 
-template <class T, class Tile>
+/// `Hopper`: Tile is a hopper_tile, launched with launch_flash_hopper (sm_90a builds on a Hopper only).
+template <class T, class Tile, bool Hopper = false>
 void time_tile(const shape& c, operands<T>& x, const char* label) {
   using E = cb::device_t<T>;
   const fa::band_mask m = c.causal ? fa::bind(fa::causal{}, x.p) : fa::bind(fa::dense{}, x.p);
@@ -200,7 +201,13 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
   const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
   const auto run = [&](int i) {
     const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m, 1, nullptr, nullptr};
-    if (!cb::launch_flash<E, Tile>(fp, nullptr)) std::exit(1);
+    const fa::status st = [&] {
+      if constexpr (Hopper)
+        return cb::launch_flash_hopper<E, Tile>(fp, nullptr);
+      else
+        return cb::launch_flash<E, Tile>(fp, nullptr);
+    }();
+    if (!st) std::exit(1);
   };
   const double ms = median_ms(run, x.sets);
   run(x.sets - 1);
@@ -245,9 +252,19 @@ template <class T>
 void flash_suite(const shape& c) {
   operands<T> x(c, sets_for(c, 2));
   time_attend<T>(c, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
+  time_attend<T>(c, x, fa::policy::cuda_kernel::flash_mma_sync, "flash mma.sync");
 #if FUSEDATTN_BENCH_TILE_SWEEP
-  // The default tile against the other K/V buffer count and a narrower key tile.
-  if (c.d == 128) {
+  // The default tile against the alternatives: on a Hopper (sm_90a build) the other Hopper tiles (the mma.sync
+  // kernel's default is timed above), elsewhere the mma.sync kernel's other K/V buffer count and key tiles.
+  if (cb::hopper_flash_ready(nullptr)) {
+    if (c.d == 128) {
+      time_tile<T, cb::hopper_tile<128, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
+      time_tile<T, cb::hopper_tile<128, 64, 2>, true>(c, x, "wg2 n64 b2 (hopper)");
+    } else {
+      time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
+      time_tile<T, cb::hopper_tile<64, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
+    }
+  } else if (c.d == 128) {
     time_tile<T, cb::flash_tile<128, 4, 64, 32, 1>>(c, x, "w4 n64 r32 s1");
     time_tile<T, cb::flash_tile<128, 4, 32, 32, 2>>(c, x, "w4 n32 r32 s2");
     time_tile<T, cb::flash_tile<128, 8, 64, 32, 2>>(c, x, "w8 n64 r32 s2");
@@ -283,7 +300,10 @@ void decode_suite(int b, int h, int s_kv, int d) {
   const auto kv = fa::bhsd(reinterpret_cast<const T*>(k), p.kv_dims());
   const auto vv = fa::bhsd(reinterpret_cast<const T*>(v), p.kv_dims());
   const auto ov = fa::bhsd(reinterpret_cast<T*>(o), p.o_dims());
-  for (auto kernel : {fa::policy::cuda_kernel::flash, fa::policy::cuda_kernel::naive}) {
+  for (auto kernel : {fa::policy::cuda_kernel::flash, fa::policy::cuda_kernel::flash_mma_sync, fa::policy::cuda_kernel::naive}) {
+    const char* name = kernel == fa::policy::cuda_kernel::flash            ? "flash"
+                       : kernel == fa::policy::cuda_kernel::flash_mma_sync ? "flash mma.sync"
+                                                                           : "naive";
     const double ms = median_ms(
         [&](int) {
           if (!fa::attend(fa::policy::cuda{nullptr, kernel}, p, qv, kv, vv, ov, fa::causal{fa::align::bottom_right}))
@@ -292,9 +312,9 @@ void decode_suite(int b, int h, int s_kv, int d) {
         1);
     const double gbps = 2.0 * n_kv * sizeof(E) / (ms * 1e-3) / 1e9;
     std::fprintf(json, "{\"dtype\":\"%s\",\"b\":%d,\"h\":%d,\"s_q\":1,\"s\":%d,\"d\":%d,\"mask\":\"causal_br\",\"kernel\":\"decode %s\",\"ms\":%.5f,\"gbps\":%.1f}\n",
-                 fa::scalar_name<T>(), b, h, s_kv, d, kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+                 fa::scalar_name<T>(), b, h, s_kv, d, name, ms, gbps);
     std::printf("%-5s decode b=%d h=%d s_kv=%d d=%d %-6s %9.4f ms %8.1f GB/s of K+V\n", fa::scalar_name<T>(), b, h, s_kv, d,
-                kernel == fa::policy::cuda_kernel::flash ? "flash" : "naive", ms, gbps);
+                name, ms, gbps);
   }
   cudaFree(q);
   cudaFree(k);
@@ -336,6 +356,14 @@ void block_sparse_suite(int h, int s, double sparsity) {
       },
       x.sets);
   const double device_ms = median_ms(device_call, x.sets);
+  // The portable kernel on the same device layout (on a Hopper the default is the wgmma kernel).
+  const fa::policy::cuda portable{nullptr, fa::policy::cuda_kernel::flash_mma_sync};
+  const double mma_sync_ms = median_ms(
+      [&](int i) {
+        check(fa::attend(portable, x.p, x.view(x.q[i]), x.view(x.k[i]), x.view(x.v[i]), x.out(),
+                         fa::cuda::device_block_sparse{device_layout}, x.lse));
+      },
+      x.sets);
   constexpr int queued = 10;
   const double dense_queued_ms = median_ms_queued(dense_call, x.sets, queued);
   const double device_queued_ms = median_ms_queued(device_call, x.sets, queued);
@@ -345,15 +373,16 @@ void block_sparse_suite(int h, int s, double sparsity) {
                "\"kernel\":\"block-sparse vs dense flash\",\"dense_ms\":%.5f,\"sparse_ms\":%.5f,\"speedup\":%.2f,"
                "\"device_layout_ms\":%.5f,\"device_layout_speedup\":%.2f,\"dense_queued_ms\":%.5f,"
                "\"device_layout_queued_ms\":%.5f,\"device_layout_queued_speedup\":%.2f,\"active_fraction\":%.4f,"
-               "\"ideal_speedup\":%.2f}\n",
+               "\"ideal_speedup\":%.2f,\"mma_sync_device_layout_ms\":%.5f}\n",
                h, s, sparsity, dense_ms, copied_ms, dense_ms / copied_ms, device_ms, dense_ms / device_ms,
-               dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, active, 1.0 / active);
+               dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, active, 1.0 / active, mma_sync_ms);
   std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks, ideal %.2fx): dense flash "
               "%.3f ms; sparse, layout copied per call %.3f ms (%.2fx); sparse, device layout %.3f ms (%.2fx)\n",
               h, s, sparsity, active, 1.0 / active, dense_ms, copied_ms, dense_ms / copied_ms, device_ms,
               dense_ms / device_ms);
-  std::printf("      queued %d calls back to back: dense flash %.3f ms, sparse (device layout) %.3f ms per call (%.2fx)\n",
-              queued, dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms);
+  std::printf("      queued %d calls back to back: dense flash %.3f ms, sparse (device layout) %.3f ms per call (%.2fx); "
+              "sparse on the mma.sync kernel %.3f ms\n",
+              queued, dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, mma_sync_ms);
 }
 
 /// One call each of dense flash (2,16,8192,128) f16 and block-sparse flash (1,16,10000,128) on a device layout, for

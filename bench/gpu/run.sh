@@ -16,7 +16,7 @@ if [[ $# -ge 1 ]]; then
   BIN=$1
 else
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-    -DFUSEDATTN_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDATTN_BENCH_TILE_SWEEP=ON \
+    -DFUSEDATTN_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DFUSEDATTN_BENCH_TILE_SWEEP=ON \
     -DFUSEDATTN_BUILD_EXAMPLES=OFF >/dev/null &&
     cmake --build build-gpu --target test_gpu fusedattn_bench_gpu || exit 1
   BIN=build-gpu

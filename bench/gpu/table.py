@@ -19,7 +19,7 @@ for path in sys.argv[1:]:
         key = (r["dtype"], r["b"], r["h"], r["s"], r["d"], r["mask"])
         rows.setdefault(key, {})[r["kernel"]] = r["tflops"]
 
-cols = ["flash (default tile)", "best tile", "flash", "naive 3-pass", "torch sdpa flash", "torch sdpa cudnn", "torch flex"]
+cols = ["flash (default tile)", "flash mma.sync", "best tile", "flash", "naive 3-pass", "torch sdpa flash", "torch sdpa cudnn", "torch flex"]
 print("TFLOP/s " + " | ".join(f"{c:>20}" for c in cols))
 for key, k in rows.items():
     tiles = {n: v for n, v in k.items() if n.startswith("flash w")}

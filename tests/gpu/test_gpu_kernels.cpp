@@ -17,7 +17,10 @@ using fusedattn::policy::cuda_kernel;
 namespace {
 
 const char* kernel_name(cuda_kernel k) {
-  return k == cuda_kernel::flash ? "flash" : k == cuda_kernel::naive ? "naive" : "automatic";
+  return k == cuda_kernel::flash            ? "flash"
+         : k == cuda_kernel::flash_mma_sync ? "flash (mma.sync)"
+         : k == cuda_kernel::naive          ? "naive"
+                                            : "automatic";
 }
 
 /// ‖x − ref‖₂ / ‖ref‖₂ over every element of the view: a relative check that stays strict when |O| is small.
@@ -124,14 +127,17 @@ std::vector<problem> flash_shapes() {
 
 }  // namespace
 
+// `flash` is the Hopper (wgmma) kernel on an sm_90 device with sm_90a code, `flash_mma_sync` the portable one:
+// on a Hopper both run here; elsewhere both are the mma.sync kernel.
 TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eigen::half, Eigen::bfloat16) {
   const auto shapes = flash_shapes();
   const auto masks = all_masks();
   const layout layouts[] = {layout::bhsd, layout::bshd};
   const std::size_t shape_index = GENERATE(range<std::size_t>(0, 22));
+  const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync);
   REQUIRE(shape_index < shapes.size());
   for (std::size_t m = 0; m < masks.size(); ++m)
-    check_gpu<TestType>(cuda_kernel::flash, shapes[shape_index], layouts[(shape_index + m) % 2], masks[m]);
+    check_gpu<TestType>(kernel, shapes[shape_index], layouts[(shape_index + m) % 2], masks[m]);
 }
 
 TEMPLATE_TEST_CASE("cuda naive matches the float64 oracle", "[gpu][naive]", float, double, Eigen::half,
@@ -197,6 +203,7 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p96, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode256, layout::bhsd, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash_mma_sync, p128, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);
     check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
   }
@@ -330,10 +337,10 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
       no_runs.run_offsets = nullptr;
       no_runs.runs = nullptr;
       no_runs.n_run_offsets = no_runs.n_runs = 0;
-      for (cuda_kernel kernel : {cuda_kernel::flash, cuda_kernel::naive})
+      for (cuda_kernel kernel : {cuda_kernel::flash, cuda_kernel::flash_mma_sync, cuda_kernel::naive})
         for (bool uploaded : {false, true}) {
           check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{layout, within}, uploaded);
-          if (kernel == cuda_kernel::flash)
+          if (kernel != cuda_kernel::naive)
             check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{no_runs, within}, uploaded);
         }
     }

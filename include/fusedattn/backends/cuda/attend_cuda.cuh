@@ -24,6 +24,7 @@
 #include "device_types.cuh"
 #include "error.cuh"
 #include "flash.cuh"
+#include "flash_hopper.cuh"
 #include "naive.cuh"
 
 namespace fusedattn {
@@ -61,6 +62,9 @@ status flash_applies(const problem& p, const tensor_ref<const T>& q, const tenso
 /// ok when flash's q-tile fits the mask: a block-sparse q-tile must lie in one q-block row (block_q a multiple of
 /// the tile's rows).
 inline status flash_fits_mask(const band_mask&, index_t) { return {}; }
+static_assert(hopper_default_tile<64>::type::block_m == flash_default_tile<64>::type::block_m &&
+                  hopper_default_tile<128>::type::block_m == flash_default_tile<128>::type::block_m,
+              "both flash kernels must cut q into the same tiles: flash_fits_mask checks one size");
 inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
   const index_t rows =
       with_default_tile(head_dim, index_t(1), [](auto tile) { return index_t(decltype(tile)::block_m); });
@@ -85,17 +89,22 @@ inline status layout_to_device(const block_sparse_mask& host, scratch_arena& are
   return {};
 }
 
-/// Runs the flash kernel (flash_applies must have said ok).
+/// Runs the flash kernel (flash_applies must have said ok): the Hopper kernel where hopper_flash_ready says yes
+/// (unless `portable`), else the mma.sync kernel.
 template <class T, class Mask>
 status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                  const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool portable = false) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     constexpr double log2e = 1.4426950408889634;
     const flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
                                   int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                                   static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
+    if (!portable && (p.head_dim == 64 || p.head_dim == 128) && hopper_flash_ready(stream)) {
+      if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
+      return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
+    }
     return with_default_tile(p.head_dim, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
                              [&](auto tile) { return launch_flash<E, decltype(tile)>(fp, stream); });
   } else {
@@ -118,9 +127,10 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
   switch (pol.kernel) {
     case policy::cuda_kernel::naive: return naive_attention(p, q, k, v, o, mask, lse, stream);
     case policy::cuda_kernel::flash:
+    case policy::cuda_kernel::flash_mma_sync:
       if (status st = flash_applies(p, q, k, v, o); !st) return st;
       if (status st = flash_fits_mask(mask, p.head_dim); !st) return st;
-      return run_flash(p, q, k, v, o, mask, lse, stream);
+      return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
     case policy::cuda_kernel::automatic:
       if (flash_applies(p, q, k, v, o) && flash_fits_mask(mask, p.head_dim))
         return run_flash(p, q, k, v, o, mask, lse, stream);

@@ -514,14 +514,14 @@ bool flash_aligned(const tensor_ref<T>& t) {
          t.stride.b % vec == 0;
 }
 
-/// Launches one flash instantiation (plus the merge of split-KV parts when the call is decode-like). `E` is the
-/// device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part` are filled in here.
+/// Launches a flash kernel `kernel` (flash_forward_kernel or flash_hopper_kernel) with `smem` bytes of dynamic
+/// shared memory, plus the merge of split-KV parts when the call is decode-like. `Tile` gives threads, block_m,
+/// block_n and head_dim; `E` is the device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part`
+/// are filled in here.
 template <class E, class Tile, class Mask>
-status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
-  const auto kernel = flash_forward_kernel<E, Tile, Mask>;
-  const int smem = Tile::smem_elems * int(sizeof(E));
+status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash_params_t<Mask> p, cudaStream_t stream) {
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                            "cudaFuncSetAttribute(flash_forward_kernel)");
+                            "cudaFuncSetAttribute(flash kernel)");
       !st)
     return st;
   int device = 0, multiprocessors = 0;
@@ -552,13 +552,19 @@ status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
   }
   const dim3 grid(unsigned(q_blocks), p.heads, p.batch * p.splits);
   kernel<<<grid, Tile::threads, smem, stream>>>(p);
-  if (p.splits == 1) return last_launch("flash_forward_kernel");
-  const status launched = last_launch("flash_forward_kernel");
+  if (p.splits == 1) return last_launch("flash kernel");
+  const status launched = last_launch("flash kernel");
   if (launched) flash_merge_kernel<E, Mask><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);
   const status merged = launched ? last_launch("flash_merge_kernel") : launched;
   cudaFreeAsync(p.o_part, stream);
   cudaFreeAsync(p.lse_part, stream);
   return merged;
+}
+
+/// Launches one mma.sync flash instantiation (see launch_flash_kernel).
+template <class E, class Tile, class Mask>
+status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
+  return launch_flash_kernel<E, Tile>(flash_forward_kernel<E, Tile, Mask>, Tile::smem_elems * int(sizeof(E)), p, stream);
 }
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
