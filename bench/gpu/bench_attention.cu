@@ -1,7 +1,8 @@
 // Times fusedattn's CUDA kernels (flash with its default tile and, with FUSEDATTN_BENCH_TILE_SWEEP, alternative
 // tiles; the naive three-pass pipeline; block-sparse against dense flash; split-KV decode)
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
-// file given as argv[1] (default: stdout); a short table to stdout. Shapes: docs/PERFORMANCE.md, CUDA section.
+// file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
+// "profile" one call each for a profiler. Shapes: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -376,6 +377,29 @@ void block_sparse_suite(int h, int s, double sparsity) {
                "\"ideal_speedup\":%.2f,\"mma_sync_device_layout_ms\":%.5f}\n",
                h, s, sparsity, dense_ms, copied_ms, dense_ms / copied_ms, device_ms, dense_ms / device_ms,
                dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, active, 1.0 / active, mma_sync_ms);
+#if FUSEDATTN_BENCH_TILE_SWEEP
+  // The other Hopper tiles on the same device layout (launch_flash_hopper directly).
+  if (cb::hopper_flash_ready(nullptr)) {
+    const fa::block_sparse_mask m = fa::cuda::bind(fa::cuda::device_block_sparse{device_layout}, x.p).mask;
+    const fa::strides4 st = x.out().stride;
+    const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
+    const auto sparse_tile = [&](auto tile, const char* label) {
+      using Tile = decltype(tile);
+      const double ms = median_ms(
+          [&](int i) {
+            const cb::flash_params_t<fa::block_sparse_mask> fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, 1, h, 1,
+                                                              s, s, scale_log2, m, 1, nullptr, nullptr};
+            check(cb::launch_flash_hopper<__half, Tile>(fp, nullptr));
+          },
+          x.sets);
+      std::printf("      sparse, device layout, hopper tile %s: %.3f ms (%.2fx)\n", label, ms, dense_ms / ms);
+      std::fprintf(json, "{\"kernel\":\"block-sparse tile %s\",\"s\":%d,\"sparse_ms\":%.5f,\"speedup\":%.2f}\n", label, s,
+                   ms, dense_ms / ms);
+    };
+    sparse_tile(cb::hopper_tile<128, 64, 2>{}, "wg2 n64 b2");
+    sparse_tile(cb::hopper_tile<128, 64, 1>{}, "wg2 n64 b1");
+  }
+#endif
   std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks, ideal %.2fx): dense flash "
               "%.3f ms; sparse, layout copied per call %.3f ms (%.2fx); sparse, device layout %.3f ms (%.2fx)\n",
               h, s, sparsity, active, 1.0 / active, dense_ms, copied_ms, dense_ms / copied_ms, device_ms,
@@ -411,6 +435,11 @@ int main(int argc, char** argv) {
   if (json == nullptr) return 1;
   if (argc > 2 && std::string(argv[2]) == "profile") {
     profile_calls();
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "sparse") {  // the block-sparse suite only
+    block_sparse_suite(16, 4096, 0.9);
+    block_sparse_suite(16, 10000, 0.9);
     return 0;
   }
   cudaDeviceProp prop{};

@@ -102,6 +102,8 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                                   int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                                   static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     if (!portable && (p.head_dim == 64 || p.head_dim == 128) && hopper_flash_ready(stream)) {
+      if (p.head_dim == 64 && p.seq_q <= hopper_decode_tile<64>::type::block_m)
+        return launch_flash_hopper<E, typename hopper_decode_tile<64>::type>(fp, stream);
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
       return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
     }

@@ -113,6 +113,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 
   // The key tiles, as in flash_forward_kernel: the mask's segments cut into BN-aligned tiles; a split takes its
   // share of the one segment of a band; k0 = -1 ends the walk. The current segment is [seg_begin, k_end).
+  // Q streams in while the mask's first segment is looked up (a block-sparse layout: dependent global loads).
+  load_atoms<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
   const Mask mask = head_mask(p.mask, b, h);
   key_segments<Mask> segments(mask, q0, q1);
   const band32 rule = element_rule(mask);
@@ -244,9 +246,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-  load_atoms<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
   if (k_first >= 0) load_k(k_first, 0);
-  cp_async_commit();
+  cp_async_commit();  // with Q, issued before the mask's first segment was looked up
   if (k_first >= 0) {
     // Tile 0: S_0 and its softmax (nothing to add to O yet); K_1 and V_0 stream in meanwhile.
     std::uint32_t pk[BN / 8][2];  // P of the tile whose P·V is next
@@ -254,15 +255,17 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
     fence_proxy_async();
     __syncthreads();
     int tile_begin = seg_begin, tile_end = k_end;
-    int k0 = k_first, k_next = next_tile(k0), k_stage = 1, v_stage = 0;
-    if (k_next >= 0) load_k(k_next, 1);
-    load_v(k0, 0);
-    cp_async_commit();
+    int k0 = k_first, k_next = -1, k_stage = 1, v_stage = 0;
     {
       float s[BN / 8][4];
       float alpha[2];
       const listed_keys keys = find_listed(k0, tile_begin, tile_end);
       issue_scores(s, 0);
+      // The next tile is found (for block-sparse, maybe a lookup in global memory) while the wgmma run.
+      k_next = next_tile(k0);
+      if (k_next >= 0) load_k(k_next, 1);
+      load_v(k0, 0);
+      cp_async_commit();
       wgmma_wait<0>();
       fence_operands(s);
       softmax(s, k0, keys, pk, alpha);
@@ -275,10 +278,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       __syncthreads();
       tile_begin = seg_begin;
       tile_end = k_end;
-      k_next = next_tile(k0);
-      if (k_next >= 0) load_k(k_next, k_stage ^ 1);
-      load_v(k0, v_stage ^ 1);
-      cp_async_commit();
 
       float s[BN / 8][4];
       std::uint32_t pk_next[BN / 8][2];
@@ -286,6 +285,11 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       const listed_keys keys = find_listed(k0, tile_begin, tile_end);
       issue_scores(s, k_stage);
       issue_pv(pk, v_stage);
+      // The next tile is found and its loads issued while the wgmma run.
+      k_next = next_tile(k0);
+      if (k_next >= 0) load_k(k_next, k_stage ^ 1);
+      load_v(k0, v_stage ^ 1);
+      cp_async_commit();
       wgmma_wait<1>();  // S_j is ready; P_{j-1}·V_{j-1} may still run
       fence_operands(s);
       softmax(s, k0, keys, pk_next, alpha);
@@ -406,6 +410,18 @@ struct hopper_default_tile<64> {
 template <>
 struct hopper_default_tile<128> {
   using type = hopper_tile<128, 128, 1>;
+};
+
+/// The Hopper tile for decode-like calls (one q-block per head: split-KV, memory-bound): head_dim 64 streams
+/// 128-key tiles with one block per multiprocessor (H200, (4,16,1,16384,64) bf16: 0.21 ms against 0.32 ms with the
+/// default 64-key tile); head_dim 128 keeps its default.
+template <int HeadDim>
+struct hopper_decode_tile {
+  using type = typename hopper_default_tile<HeadDim>::type;
+};
+template <>
+struct hopper_decode_tile<64> {
+  using type = hopper_tile<64, 128, 1>;
 };
 
 /// Launches the Hopper kernel (hopper_flash_ready must have said yes); split-KV and merge as launch_flash.
