@@ -1,6 +1,7 @@
 // Example 08: attention on an NVIDIA GPU with policy::cuda. The same problem, views, masks and status as on the CPU;
-// the pointers are device memory. f16 inputs with head_dim 64 or 128 run the fused flash kernel on tensor cores
-// (mma.sync), accumulating in f32. The output is copied back and checked on sampled rows against a float64 loop.
+// the pointers are device memory. f16 inputs with head_dim 32, 64, 96, 128 or 256 run the fused flash kernel on
+// tensor cores (mma.sync), accumulating in f32. The output is copied back and checked on sampled rows against a
+// float64 loop.
 // Exit codes: 0 match, 1 mismatch or error, 77 no GPU here (ctest reports the example as skipped).
 #include <cuda_runtime.h>
 

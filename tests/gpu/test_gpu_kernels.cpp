@@ -112,13 +112,16 @@ void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& m
   CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
 }
 
-/// Shapes for flash: head_dim 64 and 128 with every tail of its 64-row and 64/128-key tiles, s_q != s_kv both
-/// ways, seq 1, GQA and MQA.
+/// Shapes for flash: every head_dim it takes (32, 64, 96, 128, 256) with tails of its q-tile (128 rows; 64 at
+/// head_dim 256) and key tile (64 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
 std::vector<problem> flash_shapes() {
   return {
       {1, 1, 1, 1, 1, 64},       {1, 2, 2, 7, 7, 128},     {2, 3, 3, 127, 127, 64},  {1, 2, 1, 128, 128, 128},
       {1, 4, 2, 129, 300, 64},   {1, 2, 2, 1000, 1000, 128}, {1, 2, 2, 7, 1000, 128}, {1, 1, 1, 1000, 7, 64},
       {2, 4, 1, 33, 65, 128},    {1, 1, 1, 1, 300, 64},    {1, 2, 1, 257, 191, 128}, {1, 2, 2, 520, 520, 64},
+      {1, 1, 1, 1, 1, 32},       {2, 4, 2, 129, 300, 32},  {1, 2, 1, 520, 127, 32},  {1, 2, 2, 7, 7, 96},
+      {1, 4, 2, 300, 129, 96},   {2, 2, 1, 128, 513, 96},  {1, 1, 1, 1, 1, 256},     {1, 4, 2, 65, 200, 256},
+      {1, 2, 1, 300, 64, 256},   {1, 2, 2, 129, 129, 256},
   };
 }
 
@@ -130,7 +133,7 @@ TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eige
   const auto shapes = flash_shapes();
   const auto masks = all_masks();
   const layout layouts[] = {layout::bhsd, layout::bshd};
-  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 12));
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 22));
   const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync);
   REQUIRE(shape_index < shapes.size());
   for (std::size_t m = 0; m < masks.size(); ++m)
@@ -157,9 +160,11 @@ TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, naive elsewhere, bot
 }
 
 TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]", Eigen::half, Eigen::bfloat16) {
-  const problem shapes[] = {{1, 8, 2, 2048, 2048, 128}, {2, 4, 4, 1500, 3000, 64}, {1, 4, 1, 4096, 4096, 128}};
-  const any_mask masks[] = {dense{}, causal{align::bottom_right}, window{256, 0}};
-  for (int i = 0; i < 3; ++i) {
+  const problem shapes[] = {{1, 8, 2, 2048, 2048, 128}, {2, 4, 4, 1500, 3000, 64}, {1, 4, 1, 4096, 4096, 128},
+                            {1, 4, 2, 1500, 2500, 32},  {1, 4, 4, 2048, 1500, 96}, {1, 4, 2, 1500, 1500, 256}};
+  const any_mask masks[] = {dense{}, causal{align::bottom_right}, window{256, 0},
+                            causal{align::bottom_right}, dense{}, window{300, 20}};
+  for (int i = 0; i < 6; ++i) {
     const problem& p = shapes[i];
     const std::uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
@@ -180,17 +185,24 @@ TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]"
 TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the float64 oracle", "[gpu][flash][decode]",
                    Eigen::half, Eigen::bfloat16) {
   const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {2, 2, 2, 3, 2999, 64}, {1, 8, 2, 16, 1500, 128},
-                            {1, 1, 1, 1, 513, 64},   {1, 2, 2, 100, 4100, 128}};
+                            {1, 1, 1, 1, 513, 64},   {1, 2, 2, 100, 4100, 128}, {1, 4, 2, 1, 3001, 32},
+                            {2, 2, 1, 5, 1999, 96},  {1, 4, 2, 1, 2500, 256},  {1, 2, 2, 40, 1300, 256}};
   for (const problem& p : shapes)
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
 }
 
 TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
   const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
+  const problem p32{1, 2, 1, 130, 70, 32}, p96{1, 2, 2, 70, 131, 96}, p256{1, 2, 1, 70, 131, 256},
+      decode256{1, 2, 2, 1, 700, 256};
   for (const any_mask& m : all_masks()) {
     check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p128, layout::bshd, m);
+    check_gpu<Eigen::half>(cuda_kernel::flash, p32, layout::bshd, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p96, layout::bhsd, m);
+    check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode256, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash_mma_sync, p128, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);
     check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
@@ -307,10 +319,14 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
   };
   // block_kv 32 < the 64/128-key tile: several runs share a tile (no tile may be visited twice); per-head and
   // shared patterns; tails in both sequences.
+  // Every head_dim; block_q 64 only at head_dim 256 (its q-tile is 64 rows).
   const sparse_case cases[] = {{{1, 2, 2, 300, 520, 128}, 128, 64, true, 0.5},
                                {{2, 4, 2, 256, 700, 64}, 128, 128, false, 0.7},
                                {{1, 2, 1, 129, 323, 128}, 256, 32, true, 0.3},
-                               {{1, 2, 2, 384, 1000, 64}, 384, 96, true, 0.6}};
+                               {{1, 2, 2, 384, 1000, 64}, 384, 96, true, 0.6},
+                               {{1, 2, 1, 300, 520, 32}, 128, 32, true, 0.5},
+                               {{1, 2, 2, 256, 333, 96}, 128, 96, false, 0.5},
+                               {{1, 2, 1, 200, 390, 256}, 64, 32, true, 0.5}};
   const block_sparse::element_rule withins[] = {dense{}, causal{}, window{40, 10}};
   for (const sparse_case& c : cases)
     for (const auto& within : withins) {

@@ -68,7 +68,7 @@ using cpu_neon = cpu<xsimd::neon64>;
 
 /// Which CUDA kernel `policy::cuda` runs.
 enum class cuda_kernel {
-  automatic,  ///< flash where it applies (f16/bf16, head_dim 64 or 128, 16-byte aligned rows), else naive
+  automatic,  ///< flash where it applies (f16/bf16, head_dim 32, 64, 96, 128 or 256, 16-byte aligned rows), else naive
   flash,      ///< the fused tensor-core kernel (wgmma on sm_90 with sm_90a code, else mma.sync); unsupported where it does not apply
   naive,      ///< the three-pass pipeline: cuBLAS Q·Kᵀ, softmax over the materialised scores, cuBLAS P·V
   flash_mma_sync,  ///< flash on the portable sm_80 kernel (mma.sync) even where the Hopper kernel would run

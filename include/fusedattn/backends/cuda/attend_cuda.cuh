@@ -49,8 +49,9 @@ status flash_applies(const problem& p, const tensor_ref<const T>& q, const tenso
   if (!std::is_same_v<E, __half> && !std::is_same_v<E, __nv_bfloat16>)
     return {errc::unsupported, std::string("CUDA flash takes f16 and bf16; this call is ") + scalar_name<T>() +
                                    " (policy::cuda{.kernel = automatic} runs it on the naive pipeline)"};
-  if (p.head_dim != 64 && p.head_dim != 128)
-    return {errc::unsupported, "problem.head_dim is " + std::to_string(p.head_dim) + "; CUDA flash takes 64 and 128"};
+  if (!with_default_tile(p.head_dim, false, [](auto) { return true; }))
+    return {errc::unsupported,
+            "problem.head_dim is " + std::to_string(p.head_dim) + "; CUDA flash takes " + flash_head_dims_text};
   if (!flash_aligned(q) || !flash_aligned(k) || !flash_aligned(v) || !flash_aligned(o))
     return {errc::unsupported,
             "CUDA flash needs 16-byte aligned data and row/head/batch strides that are multiples of 8 elements"};
@@ -65,7 +66,8 @@ static_assert(hopper_default_tile<64>::type::block_m == flash_default_tile<64>::
                   hopper_default_tile<128>::type::block_m == flash_default_tile<128>::type::block_m,
               "both flash kernels must cut q into the same tiles: flash_fits_mask checks one size");
 inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
-  const index_t rows = head_dim == 64 ? flash_default_tile<64>::type::block_m : flash_default_tile<128>::type::block_m;
+  const index_t rows =
+      with_default_tile(head_dim, index_t(1), [](auto tile) { return index_t(decltype(tile)::block_m); });
   if (m.block_q % rows == 0) return {};
   return {errc::unsupported, "CUDA flash needs block_sparse's block_q to be a multiple of " + std::to_string(rows) +
                                  " (its q-tile); block_q is " + std::to_string(m.block_q)};
@@ -106,8 +108,8 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
       return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
     }
-    if (p.head_dim == 64) return launch_flash<E, typename flash_default_tile<64>::type>(fp, stream);
-    return launch_flash<E, typename flash_default_tile<128>::type>(fp, stream);
+    return with_default_tile(p.head_dim, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
+                             [&](auto tile) { return launch_flash<E, decltype(tile)>(fp, stream); });
   } else {
     return flash_applies(p, q, k, v, o);  // says why not
   }

@@ -1,7 +1,7 @@
 /// @file flash.cuh
 /// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
-/// bf16, head_dim 64 and 128, every band mask and block-sparse layouts, GQA/MQA and any sequence lengths.
-/// Not the dispatch (attend_cuda.cuh).
+/// bf16, head_dim 32, 64, 96, 128 and 256, every band mask and block-sparse layouts, GQA/MQA and any sequence
+/// lengths. Not the dispatch (attend_cuda.cuh).
 ///
 /// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 or 32 of them. The block walks
 /// the key tiles of the mask's segments (a band's kv_range; a block-sparse row's runs), `block_n` keys at a time:
@@ -10,15 +10,17 @@
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
 /// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
-/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles: with one K/V buffer, V of tile t streams in
-/// during Q·Kᵀ of tile t and K of tile t + 1 during P·V of tile t; with two, K and V of tile t + 1 during all of t. Decode-like calls (one q-block per head, too few blocks for the GPU) split
-/// the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
+/// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles (swizzle: conflict-free for rows of 4, 8, 12,
+/// 16 or 32 chunks): with one K/V buffer, V of tile t streams in during Q·Kᵀ of tile t and K of tile t + 1 during
+/// P·V of tile t; with two, K and V of tile t + 1 during all of t. Decode-like calls (one q-block per head, too few
+/// blocks for the GPU) split the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -71,19 +73,34 @@ struct flash_tile {
   static constexpr int chunks = HeadDim / 8;        ///< 16-byte chunks per row
   static constexpr int stages = Stages;
   static constexpr int smem_elems = (block_m + 2 * Stages * block_n) * HeadDim;  ///< Q, K and V tiles
-  /// One 16-row tile keeps its Q fragments in registers; two re-read them from shared memory (register budget).
-  static constexpr bool q_in_registers = WarpRows == 16;
-  static_assert(HeadDim % 64 == 0, "the swizzle needs rows of a multiple of eight 16-byte chunks (head_dim 64, 128, ...)");
-  static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
+  /// One 16-row tile keeps its Q fragments (head_dim / 4 registers) in registers; two re-read them from shared
+  /// memory (register budget), and so does head_dim 256, whose 128-float accumulator leaves no room for 64 more.
+  static constexpr bool q_in_registers = WarpRows == 16 && HeadDim <= 128;
+  static_assert(HeadDim % 32 == 0,
+                "the swizzle needs rows of a multiple of four 16-byte chunks (head_dim 32, 64, 96, ...)");
+  static_assert(BlockN % 32 == 0, "block_n must be a multiple of 32 (the mma k extent, and one ballot word of keys)");
   static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
   static_assert(Stages == 1 || Stages == 2, "flash keeps one or two K/V buffers");
 };
 
-/// Offset in elements of (row, 16-byte chunk) in a swizzled tile: chunk c of row r sits at chunk c ^ (r mod 8), so
-/// the 8 rows one ldmatrix phase reads (same logical chunk) fall in 8 different bank groups.
+/// Offset in elements of (row, 16-byte chunk) in a swizzled tile of `Chunks` chunks per row. Shared memory serves
+/// 8 chunks (128 bytes, its 32 banks) per phase, the 8 chunk slots mod 8 being the 8 bank groups, and every access
+/// of the kernel is a phase of 8 chunks: an ldmatrix matrix (or the O staging of a warp) takes 8 consecutive rows at
+/// one logical chunk; a cp.async store or the O read-back 8 consecutive chunks of the row-major tile, 8-aligned.
+/// Let G = gcd(Chunks, 8): 8 for head_dim 64, 128, 256; 4 for head_dim 32 and 96. Unswizzled, row r starts in
+/// group r·Chunks mod 8, which takes only 8 / G values over 8 rows (a multiple of G). The swizzle XORs the chunk
+/// index with sigma(r) = (r / (8 / G)) mod G, constant over 8 / G rows and taking all G values over 8 rows, so
+/// (r·Chunks mod 8, sigma(r)) is different for each of 8 consecutive rows and so is their group
+/// (r·Chunks + (c ^ sigma(r))) mod 8, whose low log2(G) bits are (c mod G) ^ sigma(r) and whose high bits move with
+/// r·Chunks mod 8. The XOR only permutes chunks inside an aligned group of G chunks, which lies in one row (G divides
+/// Chunks) and in one 8-aligned run of the tile (G divides 8), so 8 consecutive chunks of the tile still fill the 8
+/// groups. With G = 8 this is chunk ^ (row mod 8).
 template <int Chunks>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * (Chunks * 8) + ((chunk ^ (row & 7)) << 3);
+  static_assert(Chunks % 4 == 0, "the swizzle needs a multiple of four 16-byte chunks per row");
+  constexpr int group = Chunks % 8 == 0 ? 8 : 4;  // G = gcd(Chunks, 8)
+  constexpr int step_shift = group == 8 ? 0 : 1;  // log2(8 / G): rows with the same sigma
+  return row * (Chunks * 8) + ((chunk ^ ((row >> step_shift) & (group - 1))) << 3);
 }
 
 /// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory;
@@ -424,16 +441,69 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
 /// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles). head_dim 128
 /// keeps two K/V buffers (96 KB of shared memory: two blocks per multiprocessor on sm_90, one on sm_80's 164 KB);
 /// head_dim 64 one (a second costs it register spills).
+/// The others follow the register budget (a thread holds O as head_dim / 8 × 4 floats per 16-row m-tile, S as
+/// block_n / 8 × 4) and bench/gpu/head_dim_sweep.cu (f16, (4, 16, 4096), dense and causal, H200): head_dim 32
+/// (O: 32 floats for two m-tiles) takes head_dim 64's tile with two K/V buffers (40 KB; 3-5 % ahead of one buffer
+/// or 64 keys);
+/// head_dim 96 (O: 96 floats) head_dim 128's warps and 64-key tiles with one buffer (48 KB; two tie within 1 % but
+/// spill 12 bytes on sm_90); head_dim 256 (O: 128 floats for one m-tile) warps of 16 rows with Q re-read from
+/// shared memory and one K/V buffer of 64 keys (96 KB; 2-6 % ahead of 8 warps, 17 % of two 32-key buffers).
+/// Every default tile needs at most 99 KB of shared memory, the per-block limit of sm_86 / sm_89 (sm_80 163 KB,
+/// sm_90 227 KB); the new ones spill no registers on sm_80 or sm_90 (ptxas -v).
 template <int HeadDim>
 struct flash_default_tile;
+template <>
+struct flash_default_tile<32> {
+  using type = flash_tile<32, 4, 128, 32, 2>;
+};
 template <>
 struct flash_default_tile<64> {
   using type = flash_tile<64, 4, 128, 32, 1>;
 };
 template <>
+struct flash_default_tile<96> {
+  using type = flash_tile<96, 4, 64, 32, 1>;
+};
+template <>
 struct flash_default_tile<128> {
   using type = flash_tile<128, 4, 64, 32, 2>;
 };
+template <>
+struct flash_default_tile<256> {
+  using type = flash_tile<256, 4, 64, 16, 1>;
+};
+
+/// The head dimensions flash has a tile for: the one list flash_applies, flash_fits_mask and run_flash read.
+template <int... HeadDims>
+struct head_dim_list {};
+using flash_head_dims = head_dim_list<32, 64, 96, 128, 256>;
+inline constexpr const char* flash_head_dims_text = "32, 64, 96, 128 and 256";
+
+/// with_default_tile's walk over the list, one head dimension at a time.
+template <class R, class F>
+R with_tile_of(index_t, R otherwise, F&, head_dim_list<>) {
+  return otherwise;
+}
+template <class R, class F, int HeadDim, int... Rest>
+R with_tile_of(index_t head_dim, R otherwise, F& f, head_dim_list<HeadDim, Rest...>) {
+  if (head_dim == HeadDim) return f(typename flash_default_tile<HeadDim>::type{});
+  return with_tile_of(head_dim, std::move(otherwise), f, head_dim_list<Rest...>{});
+}
+/// `f(Tile{})` with Tile = flash_default_tile<head_dim>::type, or `otherwise` when flash has no tile for head_dim.
+template <class R, class F>
+R with_default_tile(index_t head_dim, R otherwise, F&& f) {
+  return with_tile_of(head_dim, std::move(otherwise), f, flash_head_dims{});
+}
+
+/// Largest dynamic shared memory a block may opt into on every device flash runs on (sm_86 and sm_89: 99 KB).
+inline constexpr int flash_max_smem_bytes = 99 * 1024;
+template <int... HeadDims>
+constexpr bool default_tiles_fit(head_dim_list<HeadDims...>) {
+  constexpr int element_bytes = 2;  // f16, bf16
+  return ((flash_default_tile<HeadDims>::type::smem_elems * element_bytes <= flash_max_smem_bytes) && ...);
+}
+static_assert(default_tiles_fit(flash_head_dims{}),
+              "every default flash tile must fit the 99 KB of shared memory a block gets on sm_86 / sm_89");
 
 /// True when flash can read and write these views with 16-byte copies: aligned base pointers and row, head and
 /// batch strides that are multiples of 8 elements.
