@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README command 2 (after install-deps.sh): builds and runs every test CI runs.
-#  1. Release build (C++17) of tests, bench, examples (and every CUDA translation unit, for sm_80 and sm_90, when
+#  1. Release build (C++17) of tests, bench, examples (and every CUDA translation unit, for sm_80 and sm_90a, when
 #     nvcc is present; the GPU tests skip without a GPU), ctest;
 #  2. the test suite again as C++20;
 #  3. install to a prefix and build an example copied out of the tree with find_package(fusedattn);
