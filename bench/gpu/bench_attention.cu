@@ -447,7 +447,9 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const shape main_shapes[] = {{1, 32, 2048, 128, false}, {1, 32, 2048, 128, true},  {2, 16, 8192, 128, false},
                                {2, 16, 8192, 128, true},  {1, 16, 16384, 128, false}, {1, 16, 16384, 128, true},
-                               {4, 32, 4096, 64, false},  {4, 32, 4096, 64, true},    {1, 32, 1024, 128, false}};
+                               {4, 32, 4096, 64, false},  {4, 32, 4096, 64, true},    {1, 32, 1024, 128, false},
+                               // the rest of the seed leaderboard's shapes (Ascend 910B, Tesla T4 in docs/PERFORMANCE.md)
+                               {1, 1, 4096, 64, false},   {1, 32, 512, 64, false}};
   for (const shape& c : main_shapes) {
     flash_suite<Eigen::half>(c);
     flash_suite<Eigen::bfloat16>(c);
