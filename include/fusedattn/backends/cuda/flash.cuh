@@ -12,8 +12,9 @@
 /// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
 /// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles (swizzle: conflict-free for rows of 4, 8, 12,
 /// 16 or 32 chunks): with one K/V buffer, V of tile t streams in during Q·Kᵀ of tile t and K of tile t + 1 during
-/// P·V of tile t; with two, K and V of tile t + 1 during all of t. Decode-like calls (one q-block per head, too few
-/// blocks for the GPU) split the key tiles over more blocks and merge the parts by their lse (flash_merge_kernel).
+/// P·V of tile t; with two, K and V of tile t + 1 during all of t. Calls with too few blocks for the GPU
+/// (decode-like ones, one head of a few thousand rows) split the key tiles over more blocks and merge the parts by
+/// their lse (flash_merge_kernel).
 #pragma once
 
 #include <cmath>
@@ -424,12 +425,14 @@ __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
   if (p.lse != nullptr && threadIdx.x == 0) p.lse[r] = w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
 }
 
-/// Number of key splits for a launch of `blocks` blocks over `kv_tiles` key tiles: split only decode-like calls
-/// (one q-block per head) that leave the GPU under-filled, into parts of at least two tiles, so that about two
-/// blocks run per multiprocessor.
+/// Number of key splits for a launch of `blocks` blocks over `kv_tiles` key tiles: split calls that leave the GPU
+/// under-filled — decode-like ones (one q-block per head) below two blocks per multiprocessor, others (several
+/// q-blocks, e.g. one head of a few thousand rows) below half a block per multiprocessor — into parts of at least
+/// two tiles, so that about two blocks run per multiprocessor.
 inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int multiprocessors) {
   constexpr index_t blocks_per_sm = 2, min_tiles_per_split = 2, max_splits = 64;  // flash_grid_fits relies on 64
-  if (q_blocks > 1 || blocks >= blocks_per_sm * multiprocessors) return 1;
+  if (blocks >= blocks_per_sm * multiprocessors) return 1;
+  if (q_blocks > 1 && 2 * blocks > multiprocessors) return 1;
   index_t splits = (blocks_per_sm * multiprocessors + blocks - 1) / blocks;
   if (splits > kv_tiles / min_tiles_per_split) splits = kv_tiles / min_tiles_per_split;
   if (splits > max_splits) splits = max_splits;
