@@ -144,35 +144,12 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
-  // The key tiles: each of the mask's segments (one for a band, the runs of listed blocks for block-sparse) cut into
-  // BN-aligned tiles, none visited twice; k0 = -1 ends the walk. A split (band only) takes an equal share of the
-  // tiles of its one segment. The current segment is [seg_begin, k_end).
+  // The key tiles (key_tiles): each of the mask's segments (one for a band, the runs of listed blocks for
+  // block-sparse) cut into BN-aligned tiles; a split (band only) takes its share of the one segment; k0 = -1 ends.
   const Mask mask = head_mask(p.mask, b, h);
-  key_segments<Mask> segments(mask, q0, q1);
+  key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
-  int k_first = -1, seg_begin = 0, k_end = 0;
-  if (segments.next(seg_begin, k_end)) {
-    k_first = seg_begin / BN * BN;
-    if (p.splits > 1) {
-      const int tiles = (k_end - k_first + BN - 1) / BN;
-      const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
-      k_end = last < k_end ? last : k_end;
-      k_first = first < k_end ? first : -1;  // a split may get no tile at all
-    }
-  }
-  auto next_tile = [&](int k0) {
-    if (k0 + BN < k_end) return k0 + BN;
-    int begin = 0, end = 0;
-    while (segments.next(begin, end)) {
-      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
-      if (k < end) {
-        seg_begin = begin;
-        k_end = end;
-        return k;
-      }
-    }
-    return -1;
-  };
+  const int k_first = tiles.first(split, p.splits);
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
@@ -202,7 +179,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf, l_run[mt][0] = l_run[mt][1] = 0.f;
 
   for (int k0 = k_first, k_next = -1, stage = 0; k0 >= 0; k0 = k_next, stage ^= Tile::stages - 1) {
-    [[maybe_unused]] const int tile_begin = seg_begin, tile_end = k_end;  // this tile's segment (next_tile moves on)
+    [[maybe_unused]] const int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;  // before next() moves on
     const E* sk_t = sk + stage * BN * D;
     const E* sv_t = sv + stage * BN * D;
     if constexpr (Tile::stages == 1) {
@@ -212,7 +189,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     } else {
       // K and V of the next tile stream into the other buffer while this whole tile runs (every warp finished the
       // tile that last used it at the closing barrier).
-      k_next = next_tile(k0);
+      k_next = tiles.next(k0);
       if (k_next >= 0) {
         const int rows = rows_left(k_next, p.seq_kv, BN);
         load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows);
@@ -320,7 +297,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     if constexpr (Tile::stages == 1) {
       cp_async_wait<0>();
       __syncthreads();  // V landed; every warp is done with this K tile
-      k_next = next_tile(k0);
+      k_next = tiles.next(k0);
       if (k_next >= 0) {
         load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
         cp_async_commit();

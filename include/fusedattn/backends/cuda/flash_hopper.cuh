@@ -111,36 +111,13 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
-  // The key tiles, as in flash_forward_kernel: the mask's segments cut into BN-aligned tiles; a split takes its
-  // share of the one segment of a band; k0 = -1 ends the walk. The current segment is [seg_begin, k_end).
   // Q streams in while the mask's first segment is looked up (a block-sparse layout: dependent global loads).
   load_atoms<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
+  // The key tiles, as in flash_forward_kernel (key_tiles); k0 = -1 ends the walk.
   const Mask mask = head_mask(p.mask, b, h);
-  key_segments<Mask> segments(mask, q0, q1);
+  key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);
-  int k_first = -1, seg_begin = 0, k_end = 0;
-  if (segments.next(seg_begin, k_end)) {
-    k_first = seg_begin / BN * BN;
-    if (p.splits > 1) {
-      const int tiles = (k_end - k_first + BN - 1) / BN;
-      const int first = k_first + (tiles * split / p.splits) * BN, last = k_first + (tiles * (split + 1) / p.splits) * BN;
-      k_end = last < k_end ? last : k_end;
-      k_first = first < k_end ? first : -1;
-    }
-  }
-  auto next_tile = [&](int k0) {
-    if (k0 + BN < k_end) return k0 + BN;
-    int begin = 0, end = 0;
-    while (segments.next(begin, end)) {
-      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
-      if (k < end) {
-        seg_begin = begin;
-        k_end = end;
-        return k;
-      }
-    }
-    return -1;
-  };
+  const int k_first = tiles.first(split, p.splits);
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
   auto load_k = [&](int k0, int stage) {
     load_atoms<Tile, BN>(sk + stage * BN * D, k_head + k0 * p.k_stride.s, p.k_stride.s, rows_left(k0, p.seq_kv, BN));
@@ -254,7 +231,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    int tile_begin = seg_begin, tile_end = k_end;
+    int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;
     int k0 = k_first, k_next = -1, k_stage = 1, v_stage = 0;
     {
       float s[BN / 8][4];
@@ -262,7 +239,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       const listed_keys keys = find_listed(k0, tile_begin, tile_end);
       issue_scores(s, 0);
       // The next tile is found (for block-sparse, maybe a lookup in global memory) while the wgmma run.
-      k_next = next_tile(k0);
+      k_next = tiles.next(k0);
       if (k_next >= 0) load_k(k_next, 1);
       load_v(k0, 0);
       cp_async_commit();
@@ -276,8 +253,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       cp_async_wait<0>();
       fence_proxy_async();
       __syncthreads();
-      tile_begin = seg_begin;
-      tile_end = k_end;
+      tile_begin = tiles.seg_begin;
+      tile_end = tiles.seg_end;
 
       float s[BN / 8][4];
       std::uint32_t pk_next[BN / 8][2];
@@ -286,7 +263,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       issue_scores(s, k_stage);
       issue_pv(pk, v_stage);
       // The next tile is found and its loads issued while the wgmma run.
-      k_next = next_tile(k0);
+      k_next = tiles.next(k0);
       if (k_next >= 0) load_k(k_next, k_stage ^ 1);
       load_v(k0, v_stage ^ 1);
       cp_async_commit();

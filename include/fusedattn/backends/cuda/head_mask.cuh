@@ -1,6 +1,7 @@
 /// @file head_mask.cuh
 /// The bound mask one (batch, head) of a kernel uses (a band is the same for every head; a block-sparse layout may
-/// hold one pattern per batch entry and head), and the walk over the key segments of one q-tile. Device side only.
+/// hold one pattern per batch entry and head), and the walk over the key segments and key tiles of one q-tile.
+/// Device side only.
 #pragma once
 
 #include "../../kernels/block_sparse.hpp"
@@ -89,6 +90,42 @@ struct key_segments<block_sparse_mask> {
     }
     u = u_end;
     return false;
+  }
+};
+
+/// The key tiles one q-tile of rows [q0, q1) visits, `BN` keys each, for both flash kernels: each of the mask's
+/// segments cut into BN-aligned tiles, none visited twice when segments share a tile. `first(split, splits)` gives
+/// the first tile's key (−1: none); with splits > 1 (band masks: one segment) part `split` takes an equal share of
+/// the segment's tiles and may get none. `next(k0)` gives the tile after k0 (−1: the walk is over).
+/// [seg_begin, seg_end) is the segment of the tile last returned (read it before calling next again).
+template <class Mask, int BN>
+struct key_tiles {
+  key_segments<Mask> segments;
+  int seg_begin = 0, seg_end = 0;
+  __device__ __forceinline__ key_tiles(const Mask& m, index_t q0, index_t q1) : segments(m, q0, q1) {}
+  __device__ __forceinline__ int first(int split, int splits) {
+    if (!segments.next(seg_begin, seg_end)) return -1;
+    int k = seg_begin / BN * BN;
+    if (splits > 1) {
+      const int tiles = (seg_end - k + BN - 1) / BN;
+      const int from = k + (tiles * split / splits) * BN, to = k + (tiles * (split + 1) / splits) * BN;
+      seg_end = to < seg_end ? to : seg_end;
+      k = from < seg_end ? from : -1;
+    }
+    return k;
+  }
+  __device__ __forceinline__ int next(int k0) {
+    if (k0 + BN < seg_end) return k0 + BN;
+    int begin = 0, end = 0;
+    while (segments.next(begin, end)) {
+      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
+      if (k < end) {
+        seg_begin = begin;
+        seg_end = end;
+        return k;
+      }
+    }
+    return -1;
   }
 };
 
