@@ -317,7 +317,8 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
     bool per_head;
     double sparsity;
   };
-  // block_kv 32 < the 64/128-key tile: several runs share a tile (no tile may be visited twice); per-head and
+  // block_kv 32 < the 64/128-key tile: several runs share a tile (visited once per run, each visit counting only
+  // its run's keys: nothing may be counted twice or missed); per-head and
   // shared patterns; tails in both sequences.
   // Every head_dim; block_q 64 only at head_dim 256 (its q-tile is 64 rows).
   const sparse_case cases[] = {{{1, 2, 2, 300, 520, 128}, 128, 64, true, 0.5},

@@ -79,7 +79,7 @@ struct flash_tile {
   static constexpr bool q_in_registers = WarpRows == 16 && HeadDim <= 128;
   static_assert(HeadDim % 32 == 0,
                 "the swizzle needs rows of a multiple of four 16-byte chunks (head_dim 32, 64, 96, ...)");
-  static_assert(BlockN % 32 == 0, "block_n must be a multiple of 32 (the mma k extent, and one ballot word of keys)");
+  static_assert(BlockN % 16 == 0, "block_n must be a multiple of the mma k extent (16)");
   static_assert(WarpRows == 16 || WarpRows == 32, "a warp owns 16 or 32 query rows");
   static_assert(Stages == 1 || Stages == 2, "flash keeps one or two K/V buffers");
 };
@@ -230,26 +230,14 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     }
 
     // Per-element mask, only on tiles that need it. A band tests the tile against its edges and the end of the keys.
-    // A block-sparse tile inside one segment (a run of listed blocks) can only be cut by the element rule `within`
-    // and the end of the keys; a tile that crosses a segment's edge also holds keys of unlisted blocks, so the warp
-    // first marks its BN keys listed or not (one bit each, bit c of word c / 32 for key k0 + c).
+    // A block-sparse tile is visited once per segment (run of listed blocks) it holds keys of (key_tiles), and counts
+    // only that segment's keys: a tile inside its segment can only be cut by the element rule `within` and the end
+    // of the keys; one that reaches past the segment's edge also masks the keys outside [tile_begin, tile_end).
     std::uint32_t pk[MT][BN / 8][2];  // P packed to 16 bits as soon as it is known: rows g and g + 8 of each key tile
-    bool crossing = false;
-    std::uint32_t listed[band ? 1 : BN / 32];
-    if constexpr (!band) {
-      crossing = k0 < tile_begin || k0 + BN > tile_end;
-      if (crossing) {
-        const index_t qb = q0 / mask.block_q;
-#pragma unroll
-        for (int w = 0; w < BN / 32; ++w) {
-          const int j = k0 + 32 * w + lane;
-          listed[w] = __ballot_sync(0xffffffffu, j < p.seq_kv && mask.find(qb, j / mask.block_kv) >= 0);
-        }
-      }
-    }
+    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const bool masked = crossing || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
+      const bool masked = past_edge || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
       if (masked) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
@@ -257,7 +245,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
           for (int e = 0; e < 4; ++e) {
             const int c = n * 8 + 2 * t + (e & 1), i = mt_row(mt) + g + 8 * (e / 2), j = k0 + c;
             bool ok = rule.allowed(i, j);
-            if constexpr (!band) ok = ok && (!crossing || ((listed[c / 32] >> (c % 32)) & 1u));
+            if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
             if (!ok) s[mt][n][e] = neg_inf;
           }
       }

@@ -154,46 +154,20 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   };
 
   float m_run[2] = {neg_inf, neg_inf}, l_run[2] = {0.f, 0.f};
-  // Which keys of tile k0 a block-sparse row lists, when the tile crosses a segment's edge (else every key of the
-  // tile is listed): the warp finds one bit per key (bit c of word c / 32 for key k0 + c), and this thread keeps
-  // the bits of its own columns 8n + 2t + e as bit 2n + e of `mine`. Found before the tile's wgmma are issued, so
-  // that the softmax tests constant bit positions while they run.
-  struct listed_keys {
-    bool crossing = false;
-    std::uint32_t mine = 0;
-  };
-  static_assert(BN / 8 * 2 <= 32, "one word holds a thread's listed bits");
-  auto find_listed = [&](int k0, int tile_begin, int tile_end) {
-    listed_keys keys;
-    if constexpr (!band) {
-      keys.crossing = k0 < tile_begin || k0 + BN > tile_end;
-      if (keys.crossing) {
-        const index_t qb = q0 / mask.block_q;
-#pragma unroll
-        for (int w = 0; w < BN / 32; ++w) {
-          const int j = k0 + 32 * w + lane;
-          const std::uint32_t bits = __ballot_sync(0xffffffffu, j < p.seq_kv && mask.find(qb, j / mask.block_kv) >= 0);
-#pragma unroll
-          for (int n = 4 * w; n < 4 * w + 4; ++n) keys.mine |= ((bits >> ((8 * n + 2 * t) % 32)) & 3u) << (2 * n);
-        }
-      }
-    }
-    return keys;
-  };
   // Mask, online softmax and packing of one score tile (rows g and g + 8 of this warp, spread over a quad): the
   // per-element mask only on tiles that need it; alpha[r] is the factor O must be rescaled by before P of this
   // tile is added.
-  auto softmax = [&](float (&s)[BN / 8][4], int k0, const listed_keys& keys, std::uint32_t (&pk)[BN / 8][2],
+  auto softmax = [&](float (&s)[BN / 8][4], int k0, int tile_begin, int tile_end, std::uint32_t (&pk)[BN / 8][2],
                      float (&alpha)[2]) {
-    const bool crossing = keys.crossing;
-    if (crossing || rule.is_partial(row0, row_end, k0, k0 + BN)) {
+    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
+    if (past_edge || rule.is_partial(row0, row_end, k0, k0 + BN)) {
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = n * 8 + 2 * t + (e & 1), i = row0 + g + 8 * (e / 2), j = k0 + c;
           bool ok = rule.allowed(i, j);
-          if constexpr (!band) ok = ok && (!crossing || ((keys.mine >> (2 * n + (e & 1))) & 1u));
+          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
           if (!ok) s[n][e] = neg_inf;
         }
     }
@@ -236,7 +210,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
     {
       float s[BN / 8][4];
       float alpha[2];
-      const listed_keys keys = find_listed(k0, tile_begin, tile_end);
       issue_scores(s, 0);
       // The next tile is found (for block-sparse, maybe a lookup in global memory) while the wgmma run.
       k_next = tiles.next(k0);
@@ -245,7 +218,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       cp_async_commit();
       wgmma_wait<0>();
       fence_operands(s);
-      softmax(s, k0, keys, pk, alpha);
+      softmax(s, k0, tile_begin, tile_end, pk, alpha);
     }
     for (k0 = k_next; k0 >= 0; k0 = k_next) {
       // K_j and V_{j-1} landed; every warpgroup is done with S_{j-1} (K buffer k_stage ^ 1) and P_{j-2}·V_{j-2}
@@ -259,7 +232,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       float s[BN / 8][4];
       std::uint32_t pk_next[BN / 8][2];
       float alpha[2];
-      const listed_keys keys = find_listed(k0, tile_begin, tile_end);
       issue_scores(s, k_stage);
       issue_pv(pk, v_stage);
       // The next tile is found and its loads issued while the wgmma run.
@@ -269,7 +241,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       cp_async_commit();
       wgmma_wait<1>();  // S_j is ready; P_{j-1}·V_{j-1} may still run
       fence_operands(s);
-      softmax(s, k0, keys, pk_next, alpha);
+      softmax(s, k0, tile_begin, tile_end, pk_next, alpha);
       wgmma_wait<0>();
       fence_operands(acc);
       fence_fragments(pk);

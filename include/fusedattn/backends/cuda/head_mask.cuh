@@ -94,7 +94,9 @@ struct key_segments<block_sparse_mask> {
 };
 
 /// The key tiles one q-tile of rows [q0, q1) visits, `BN` keys each, for both flash kernels: each of the mask's
-/// segments cut into BN-aligned tiles, none visited twice when segments share a tile. `first(split, splits)` gives
+/// segments cut into BN-aligned tiles. A tile that holds keys of two segments (runs of blocks narrower than BN, or
+/// not BN-aligned) is visited once for each, and each visit counts only its segment's keys [seg_begin, seg_end):
+/// the kernels' per-element test is then a range, and nothing is counted twice. `first(split, splits)` gives
 /// the first tile's key (−1: none); with splits > 1 (band masks: one segment) part `split` takes an equal share of
 /// the segment's tiles and may get none. `next(k0)` gives the tile after k0 (−1: the walk is over).
 /// [seg_begin, seg_end) is the segment of the tile last returned (read it before calling next again).
@@ -116,16 +118,8 @@ struct key_tiles {
   }
   __device__ __forceinline__ int next(int k0) {
     if (k0 + BN < seg_end) return k0 + BN;
-    int begin = 0, end = 0;
-    while (segments.next(begin, end)) {
-      const int aligned = begin / BN * BN, k = aligned > k0 + BN ? aligned : k0 + BN;
-      if (k < end) {
-        seg_begin = begin;
-        seg_end = end;
-        return k;
-      }
-    }
-    return -1;
+    if (!segments.next(seg_begin, seg_end)) return -1;
+    return seg_begin / BN * BN;  // k0 again when the next segment starts in the same tile
   }
 };
 
