@@ -37,6 +37,9 @@ status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<
 /// The status of cuda::upload for a layout view (the device copy is dropped).
 status upload_status(const block_layout_view& layout);
 
+/// Which kernel policy::cuda_kernel::flash runs on the current device (gpu_second_unit.cu).
+const char* flash_kernel_name();
+
 /// cudaDeviceSynchronize (and the last error) as a status: where an asynchronous kernel fault shows.
 status synchronize();
 

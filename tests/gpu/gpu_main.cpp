@@ -18,5 +18,6 @@ int main(int argc, char* argv[]) {
     std::printf("SKIPPED: %s; the GPU tests need an NVIDIA GPU of compute capability 8.0 or newer\n", why.c_str());
     return skip_return_code;
   }
+  if (!listing) std::printf("cuda_kernel::flash runs %s here\n", fusedattn::testing::gpu::flash_kernel_name());
   return Catch::Session().run(argc, argv);
 }

@@ -309,7 +309,9 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 #endif
 }
 
-/// Writes FUSEDATTN_WGMMA_COMPILED of the code the device runs.
+/// Writes FUSEDATTN_WGMMA_COMPILED of the code the device runs. A template only so that a program may include this
+/// header from several .cu files (a plain __global__ defined in a header is defined once per file: a link error).
+template <int Unused = 0>
 __global__ void wgmma_probe_kernel(int* compiled) { *compiled = FUSEDATTN_WGMMA_COMPILED; }
 
 /// True when the current device is a Hopper (compute capability 9.0) and this program carries sm_90a code for it
@@ -337,7 +339,7 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
   int compiled = 0;
   bool asked = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
   if (asked) {
-    wgmma_probe_kernel<<<1, 1>>>(flag);
+    wgmma_probe_kernel<><<<1, 1>>>(flag);
     asked = cudaMemcpy(&compiled, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
     cudaFree(flag);
   }
