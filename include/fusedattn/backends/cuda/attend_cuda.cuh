@@ -59,12 +59,17 @@ status flash_applies(const problem& p, const tensor_ref<const T>& q, const tenso
   return flash_grid_fits(p);
 }
 
+/// True when the Hopper kernel's q-tile of `rows` rows fits the mask (see flash_fits_mask).
+inline bool hopper_fits_mask(const band_mask&, int) { return true; }
+inline bool hopper_fits_mask(const block_sparse_mask& m, int rows) { return m.block_q % rows == 0; }
+
 /// ok when flash's q-tile fits the mask: a block-sparse q-tile must lie in one q-block row (block_q a multiple of
 /// the tile's rows).
 inline status flash_fits_mask(const band_mask&, index_t) { return {}; }
 static_assert(hopper_default_tile<64>::type::block_m == flash_default_tile<64>::type::block_m &&
                   hopper_default_tile<128>::type::block_m == flash_default_tile<128>::type::block_m,
-              "both flash kernels must cut q into the same tiles: flash_fits_mask checks one size");
+              "both flash kernels must cut q into the same tiles: flash_fits_mask checks one size (head_dim 256 "
+              "differs: run_flash asks hopper_fits_mask)");
 inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
   const index_t rows =
       with_default_tile(head_dim, index_t(1), [](auto tile) { return index_t(decltype(tile)::block_m); });
@@ -101,12 +106,16 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
     const flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
                                   int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                                   static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
-    if (!portable && (p.head_dim == 64 || p.head_dim == 128) && hopper_flash_ready(stream)) {
+    if (!portable && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && hopper_flash_ready(stream)) {
       if constexpr (std::is_same_v<Mask, band_mask>)  // split-KV (decode) is band-only
         if (p.head_dim == 64 && p.seq_q <= hopper_decode_tile<64>::type::block_m)
           return launch_flash_hopper<E, typename hopper_decode_tile<64>::type>(fp, stream);
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
-      return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
+      if (p.head_dim == 128) return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
+      // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a
+      // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
+      using tile256 = typename hopper_default_tile<256>::type;
+      if (hopper_fits_mask(mask, tile256::block_m)) return launch_flash_hopper<E, tile256>(fp, stream);
     }
     return with_default_tile(p.head_dim, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
                              [&](auto tile) { return launch_flash<E, decltype(tile)>(fp, stream); });

@@ -35,10 +35,10 @@ namespace cuda_backend {
 
 /// Compile-time tile shape of the Hopper kernel: two warpgroups (128 query rows), `BlockN` keys per tile, two K and
 /// two V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__).
-template <int HeadDim, int BlockN, int MinBlocks = 1>
+template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
-  static constexpr int warpgroups = 2;
+  static constexpr int warpgroups = Warpgroups;
   static constexpr int threads = 128 * warpgroups;
   static constexpr int block_m = 64 * warpgroups;  ///< query rows per block
   static constexpr int block_n = BlockN;           ///< keys per tile
@@ -47,7 +47,7 @@ struct hopper_tile {
   static constexpr int atom_bytes = 1024;  ///< one 8-row, 128-byte swizzle atom; tiles start on its boundary
   /// Q, two K and two V tiles, plus slack to align the start to an atom.
   static constexpr int smem_bytes = (block_m + 4 * block_n) * HeadDim * 2 + atom_bytes;
-  static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper kernel takes head_dim 64 and 128");
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
   static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
 };
 
@@ -140,7 +140,9 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
     wgmma_commit();
   };
   // O (64 × D per warpgroup) += P (64 × BN, registers) · V (BN × D): BN/16 steps of 16 keys; the packed P of key
-  // tiles 2kk, 2kk + 1 is this warp's A fragment, V rows [16kk, 16kk + 16) an N-major descriptor over all panels.
+  // tiles 2kk, 2kk + 1 is this warp's A fragment, V rows [16kk, 16kk + 16) an N-major descriptor over the panels
+  // of at most 128 output columns (head_dim 256: two products of N = 128, panels 0–1 and 2–3).
+  constexpr int NV = D < 128 ? D : 128;
   float acc[D / 8][4];
   auto issue_pv = [&](std::uint32_t (&pk)[BN / 8][2], int stage) {
     fence_fragments(pk);  // P is in its registers before the first wgmma: no move may land between them
@@ -148,7 +150,10 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-      wgmma_rs<E, D>(acc, a, swizzled_descriptor(sv + stage * BN * D + kk * 16 * 64, v_panel, atom));
+#pragma unroll
+      for (int c = 0; c < D / NV; ++c)
+        wgmma_rs<E, NV>(*reinterpret_cast<float(*)[NV / 8][4]>(&acc[c * NV / 8]), a,
+                        swizzled_descriptor(sv + stage * BN * D + (c * NV / 64) * BN * 64 + kk * 16 * 64, v_panel, atom));
     }
     wgmma_commit();
   };
@@ -197,25 +202,30 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
+  // Tile 0's segment, read before the walk moves on to tile 1.
+  int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;
+  int k_next = -1;
   if (k_first >= 0) load_k(k_first, 0);
   cp_async_commit();  // with Q, issued before the mask's first segment was looked up
+  // K_1 and V_0 go to the free buffers at once, so no copy waits on tile 0's scores (a short q-block, as in a
+  // block-sparse row of a few tiles, would otherwise wait for two memory latencies before its loop).
+  if (k_first >= 0) {
+    k_next = tiles.next(k_first);
+    if (k_next >= 0) load_k(k_next, 1);
+    load_v(k_first, 0);
+  }
+  cp_async_commit();
   if (k_first >= 0) {
     // Tile 0: S_0 and its softmax (nothing to add to O yet); K_1 and V_0 stream in meanwhile.
     std::uint32_t pk[BN / 8][2];  // P of the tile whose P·V is next
-    cp_async_wait<0>();
+    cp_async_wait<1>();  // Q and K_0
     fence_proxy_async();
     __syncthreads();
-    int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;
-    int k0 = k_first, k_next = -1, k_stage = 1, v_stage = 0;
+    int k0 = k_first, k_stage = 1, v_stage = 0;
     {
       float s[BN / 8][4];
       float alpha[2];
       issue_scores(s, 0);
-      // The next tile is found (for block-sparse, maybe a lookup in global memory) while the wgmma run.
-      k_next = tiles.next(k0);
-      if (k_next >= 0) load_k(k_next, 1);
-      load_v(k0, 0);
-      cp_async_commit();
       wgmma_wait<0>();
       fence_operands(s);
       softmax(s, k0, tile_begin, tile_end, pk, alpha);
@@ -361,6 +371,10 @@ struct hopper_default_tile<64> {
 template <>
 struct hopper_default_tile<128> {
   using type = hopper_tile<128, 128, 1>;
+};
+template <>
+struct hopper_default_tile<256> {
+  using type = hopper_tile<256, 64, 1>;
 };
 
 /// The Hopper tile for decode-like calls (one q-block per head: split-KV, memory-bound): head_dim 64 streams
