@@ -61,12 +61,28 @@ __device__ __forceinline__ int atom_offset(int row, int chunk) {
 
 /// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into the panel layout; rows at and
 /// past `valid` are zero-filled (their scores are masked, their P is 0).
+/// Thread t copies chunk t mod chunks of rows t / chunks + i·step (step = threads / chunks). When step is a multiple
+/// of 8 all these rows have the same swizzle phase (row mod 8), so both addresses advance by a constant per step:
+/// a few instructions per copy instead of a division and a swizzle each (the copies are issued inside the key
+/// loop, in the same instruction stream as the softmax).
 template <class Tile, int Rows, class E>
 __device__ __forceinline__ void load_atoms(E* smem, const E* g, index_t stride_s, int valid) {
-  for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
-    const int r = c / Tile::chunks, ch = c % Tile::chunks;
-    const bool ok = r < valid;
-    cp_async_16(smem + atom_offset<Rows>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
+  constexpr int CH = Tile::chunks, step = Tile::threads / CH;
+  if constexpr (Tile::threads % CH == 0 && step % 8 == 0 && Rows % step == 0) {
+    const int ch = threadIdx.x % CH, r0 = threadIdx.x / CH;
+    E* dst = smem + atom_offset<Rows>(r0, ch);
+    const E* src = g + r0 * stride_s + ch * 8;
+#pragma unroll
+    for (int i = 0; i < Rows / step; ++i) {
+      const bool ok = r0 + i * step < valid;
+      cp_async_16(dst + i * step * 64, ok ? src + i * step * stride_s : g, ok);
+    }
+  } else {
+    for (int c = threadIdx.x; c < Rows * CH; c += Tile::threads) {
+      const int r = c / CH, ch = c % CH;
+      const bool ok = r < valid;
+      cp_async_16(smem + atom_offset<Rows>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
+    }
   }
 }
 
