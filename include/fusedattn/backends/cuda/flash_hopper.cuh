@@ -144,14 +144,19 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
 
   // S (64 × BN per warpgroup) = Q (64 × D) · Kᵀ (D × BN): D/16 wgmma steps of 16 head-dim columns; step kk reads
   // chunk pair kk of panel kk / 4 of this warpgroup's Q rows and of the K tile.
+  // The descriptors are built once: a descriptor's address field counts 16-byte units and no tile crosses the
+  // 2^18-byte window it covers, so the descriptor of an element offset is the base descriptor plus offset / 8.
+  const std::uint64_t q_desc = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
+  const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
+  const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
+  auto plus = [](std::uint64_t desc, int elements) { return desc + std::uint64_t(elements >> 3); };
   auto issue_scores = [&](float (&s)[BN / 8][4], int stage) {
     wgmma_fence();
+    const std::uint64_t kd0 = plus(k_desc, stage * BN * D);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int panel = kk / 4, col = (kk % 4) * 16;
-      const std::uint64_t qd = swizzled_descriptor(sq + panel * BM * 64 + wg * 64 * 64 + col, 16, atom);
-      const std::uint64_t kd = swizzled_descriptor(sk + stage * BN * D + panel * BN * 64 + col, 16, atom);
-      wgmma_ss<E, BN>(s, qd, kd, kk > 0);
+      wgmma_ss<E, BN>(s, plus(q_desc, panel * BM * 64 + col), plus(kd0, panel * BN * 64 + col), kk > 0);
     }
     wgmma_commit();
   };
@@ -163,13 +168,14 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   auto issue_pv = [&](std::uint32_t (&pk)[BN / 8][2], int stage) {
     fence_fragments(pk);  // P is in its registers before the first wgmma: no move may land between them
     wgmma_fence();
+    const std::uint64_t vd0 = plus(v_desc, stage * BN * D);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
 #pragma unroll
       for (int c = 0; c < D / NV; ++c)
         wgmma_rs<E, NV>(*reinterpret_cast<float(*)[NV / 8][4]>(&acc[c * NV / 8]), a,
-                        swizzled_descriptor(sv + stage * BN * D + (c * NV / 64) * BN * 64 + kk * 16 * 64, v_panel, atom));
+                        plus(vd0, (c * NV / 64) * BN * 64 + kk * 16 * 64));
     }
     wgmma_commit();
   };
