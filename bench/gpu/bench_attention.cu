@@ -261,9 +261,11 @@ void flash_suite(const shape& c) {
     if (c.d == 128) {
       time_tile<T, cb::hopper_tile<128, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
       time_tile<T, cb::hopper_tile<128, 64, 2>, true>(c, x, "wg2 n64 b2 (hopper)");
-    } else {
+    } else if (c.d == 64) {
       time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
       time_tile<T, cb::hopper_tile<64, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
+    } else if (c.d == 256) {  // 128-key tiles do not fit in shared memory; one warpgroup (64 rows) is the other choice
+      time_tile<T, cb::hopper_tile<256, 64, 1, 1>, true>(c, x, "wg1 n64 b1 (hopper)");
     }
   } else if (c.d == 128) {
     time_tile<T, cb::flash_tile<128, 4, 64, 32, 1>>(c, x, "w4 n64 r32 s1");
@@ -449,7 +451,9 @@ int main(int argc, char** argv) {
                                {2, 16, 8192, 128, true},  {1, 16, 16384, 128, false}, {1, 16, 16384, 128, true},
                                {4, 32, 4096, 64, false},  {4, 32, 4096, 64, true},    {1, 32, 1024, 128, false},
                                // the rest of the seed leaderboard's shapes (Ascend 910B, Tesla T4 in docs/PERFORMANCE.md)
-                               {1, 1, 4096, 64, false},   {1, 32, 512, 64, false}};
+                               {1, 1, 4096, 64, false},   {1, 32, 512, 64, false},
+                               // head_dim 256 (the Hopper kernel's widest head)
+                               {4, 16, 4096, 256, false}, {4, 16, 4096, 256, true}};
   for (const shape& c : main_shapes) {
     flash_suite<Eigen::half>(c);
     flash_suite<Eigen::bfloat16>(c);

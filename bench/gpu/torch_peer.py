@@ -12,7 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHAPES = [(1, 32, 2048, 128, False), (1, 32, 2048, 128, True), (2, 16, 8192, 128, False), (2, 16, 8192, 128, True),
           (1, 16, 16384, 128, False), (1, 16, 16384, 128, True), (4, 32, 4096, 64, False), (4, 32, 4096, 64, True),
-          (1, 32, 1024, 128, False), (1, 1, 4096, 64, False), (1, 32, 512, 64, False)]
+          (1, 32, 1024, 128, False), (1, 1, 4096, 64, False), (1, 32, 512, 64, False), (4, 16, 4096, 256, False),
+          (4, 16, 4096, 256, True)]
 
 
 def median_ms(fn, sets):
