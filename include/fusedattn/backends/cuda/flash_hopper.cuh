@@ -1,6 +1,6 @@
 /// @file flash_hopper.cuh
 /// The fused forward kernel on Hopper's warpgroup tensor cores (sm_90a: wgmma.mma_async), f16 and bf16 with f32
-/// accumulation, head_dim 64 and 128: the same function, masks, block-sparse walk, GQA, split-KV and lse as the
+/// accumulation, head_dim 64, 128 and 256: the same function, masks, block-sparse walk, GQA, split-KV and lse as the
 /// mma.sync kernel of flash.cuh, whose parameters (flash_params_t) and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
@@ -11,9 +11,10 @@
 ///   mask S_j; m_j = max(m_{j-1}, rowmax(scale·S_j)); P_j = exp(scale·S_j − m_j); l = l·α + rowsum(P_j)
 ///                              (while P_{j-1}·V_{j-1} still runs on the tensor cores)
 ///   O *= α = exp(m_{j-1} − m_j) once P_{j-1}·V_{j-1} is done
-/// so the softmax of one tile overlaps the P·V product of the previous one. Shared tiles are 128-byte swizzled
-/// atoms (wgmma.cuh); cp.async brings K_{j+1} and V_j in while tile j runs (two K and two V buffers, one barrier per
-/// tile). Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh.
+/// so the softmax of one tile may overlap the P·V product of the previous one (in the SASS of CUDA 13.0, ptxas puts
+/// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
+/// swizzled atoms (wgmma.cuh); cp.async brings K_{j+1} and V_j in while tile j runs (two K and two V buffers, one
+/// barrier per tile). Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh.
 #pragma once
 
 #include <atomic>
@@ -380,10 +381,11 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
   return known[device] == 1;
 }
 
-/// The Hopper kernel's tile for a head dimension, chosen among the tiles bench/gpu times on an H200
-/// (docs/PERFORMANCE.md, CUDA section): 128 query rows (two warpgroups) for both; head_dim 128 takes 128-key tiles
-/// and one block per multiprocessor (161 KB of shared memory, 225 registers a thread), head_dim 64 takes 64-key
-/// tiles and two blocks (49 KB each, at most 128 registers).
+/// The Hopper kernel's tile for a head dimension, chosen among the tiles bench/gpu times (docs/PERFORMANCE.md, CUDA
+/// section): 128 query rows (two warpgroups) for all; head_dim 128 takes 128-key tiles and one block per
+/// multiprocessor (161 KB of shared memory, 220 registers a thread), head_dim 64 takes 64-key tiles and two blocks
+/// (49 KB each, at most 128 registers), head_dim 256 64-key tiles and one block (193 KB; 128-key tiles do not fit,
+/// and one warpgroup of 64 rows ran at 0.55–0.6× on an H100).
 template <int HeadDim>
 struct hopper_default_tile;
 template <>

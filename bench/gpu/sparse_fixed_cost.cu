@@ -1,0 +1,145 @@
+// Where block-sparse time goes: block-sparse flash (device layout) against dense flash, f16, (1, 16, S, 128),
+// 128 × 512 blocks, a random pattern per head; CUDA events, 5 warm-up calls, median of 60.
+//   fusedattn_sparse_fixed_cost          sparsity 0.9 at S 4096 and 10000: dense, sparse, sparse on mma.sync
+//   fusedattn_sparse_fixed_cost sweep    S 10000 at sparsity 1, 0.95, 0.9, 0.85, 0.8, 0.6, 0.2 (0 to 16 of 20
+//                                        blocks per row): time against blocks per row gives the fixed part
+//   fusedattn_sparse_fixed_cost tiles    S 10000, sparsity 0.9 on the other Hopper tiles (launch_flash_hopper)
+// Results: docs/PERFORMANCE.md, CUDA, fourth session. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fusedattn/fusedattn.hpp>
+
+namespace fa = fusedattn;
+namespace cb = fusedattn::cuda_backend;
+using T = Eigen::half;
+
+namespace {
+
+void check(cudaError_t e) {
+  if (e != cudaSuccess) {
+    std::printf("%s\n", cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void check(const fa::status& st) {
+  if (!st) {
+    std::printf("%s\n", st.what());
+    std::exit(1);
+  }
+}
+
+template <class F>
+double median_ms(F f) {
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a));
+  check(cudaEventCreate(&b));
+  for (int i = 0; i < 5; ++i) f();
+  std::vector<float> ms;
+  for (int i = 0; i < 60; ++i) {
+    check(cudaEventRecord(a));
+    f();
+    check(cudaEventRecord(b));
+    check(cudaEventSynchronize(b));
+    float t = 0;
+    check(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct operands {
+  fa::problem p;
+  T *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  float* lse = nullptr;
+  explicit operands(int h, int s) : p{1, h, h, s, s, 128} {
+    const std::size_t n = std::size_t(h) * s * 128;
+    std::vector<T> host(n);
+    std::mt19937 rng{static_cast<unsigned>(s)};
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (T** x : {&q, &k, &v, &o}) check(cudaMalloc(reinterpret_cast<void**>(x), n * sizeof(T)));
+    check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(h) * s * sizeof(float)));
+    for (T* x : {q, k, v}) {
+      for (T& e : host) e = T(normal(rng));
+      check(cudaMemcpy(x, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    }
+  }
+  ~operands() {
+    for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(o),
+                    static_cast<void*>(lse)})
+      cudaFree(x);
+  }
+  fa::tensor_ref<const T> in(const T* x) const { return fa::bhsd(x, p.q_dims()); }
+  template <class Mask>
+  double time(fa::policy::cuda_kernel kernel, const Mask& mask) const {
+    const fa::policy::cuda pol{nullptr, kernel};
+    return median_ms([&] { check(fa::attend(pol, p, in(q), in(k), in(v), fa::bhsd(o, p.o_dims()), mask, lse)); });
+  }
+};
+
+fa::block_layout layout_for(int h, int s, double sparsity) {
+  return fa::random_layout(fa::block_geometry{s, s, 128, 512, 1, h}, sparsity, 42);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  constexpr int h = 16;
+  constexpr auto flash = fa::policy::cuda_kernel::flash;
+  if (mode == "sweep") {
+    const operands x(h, 10000);
+    const double dense = x.time(flash, fa::dense{});
+    for (double sparsity : {1.0, 0.95, 0.9, 0.85, 0.8, 0.6, 0.2}) {
+      const fa::block_layout layout = layout_for(h, 10000, sparsity);
+      fa::cuda::device_block_layout dev;
+      check(fa::cuda::upload(layout, dev));
+      const double ms = x.time(flash, fa::cuda::device_block_sparse{dev});
+      std::printf("S 10000 sparsity %.2f (density %.3f): sparse %.4f ms, dense %.4f ms, %.2fx\n", sparsity,
+                  layout.density(), ms, dense, dense / ms);
+    }
+    return 0;
+  }
+  if (mode == "tiles") {
+    const operands x(h, 10000);
+    const fa::block_layout layout = layout_for(h, 10000, 0.9);
+    fa::cuda::device_block_layout dev;
+    check(fa::cuda::upload(layout, dev));
+    const fa::block_sparse_mask m = fa::cuda::bind(fa::cuda::device_block_sparse{dev}, x.p).mask;
+    const fa::strides4 st = fa::bhsd(x.o, x.p.o_dims()).stride;
+    const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
+    const double dense = x.time(flash, fa::dense{});
+    const auto tile = [&](auto t, const char* label) {
+      using Tile = decltype(t);
+      const cb::flash_params_t<fa::block_sparse_mask> fp{x.q, x.k, x.v, x.o, x.lse, st, st, st, st, 1, h, 1,
+                                                          10000, 10000, scale_log2, m, 1, nullptr, nullptr};
+      const double ms = median_ms([&] { check(cb::launch_flash_hopper<__half, Tile>(fp, nullptr)); });
+      std::printf("S 10000 sparsity 0.90, hopper tile %-12s %.4f ms (dense %.4f ms, %.2fx)\n", label, ms, dense,
+                  dense / ms);
+    };
+    tile(cb::hopper_tile<128, 128, 1>{}, "wg2 n128 b1");
+    tile(cb::hopper_tile<128, 64, 2>{}, "wg2 n64 b2");
+    tile(cb::hopper_tile<128, 64, 2, 1>{}, "wg1 n64 b2");
+    tile(cb::hopper_tile<128, 128, 1, 1>{}, "wg1 n128 b1");
+    return 0;
+  }
+  for (int s : {4096, 10000}) {
+    const operands x(h, s);
+    const fa::block_layout layout = layout_for(h, s, 0.9);
+    fa::cuda::device_block_layout dev;
+    check(fa::cuda::upload(layout, dev));
+    const double dense = x.time(flash, fa::dense{});
+    const double sparse = x.time(flash, fa::cuda::device_block_sparse{dev});
+    const double portable = x.time(fa::policy::cuda_kernel::flash_mma_sync, fa::cuda::device_block_sparse{dev});
+    std::printf("S %5d sparsity 0.90: dense %.4f ms, sparse %.4f ms (%.2fx), sparse on mma.sync %.4f ms\n", s, dense,
+                sparse, dense / sparse, portable);
+  }
+  return 0;
+}
