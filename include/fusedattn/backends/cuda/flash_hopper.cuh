@@ -73,10 +73,15 @@ __device__ __forceinline__ void load_atoms(E* smem, const E* g, index_t stride_s
     const int ch = threadIdx.x % CH, r0 = threadIdx.x / CH;
     E* dst = smem + atom_offset<Rows>(r0, ch);
     const E* src = g + r0 * stride_s + ch * 8;
+    if (valid >= Rows) {  // a full tile: no row test
 #pragma unroll
-    for (int i = 0; i < Rows / step; ++i) {
-      const bool ok = r0 + i * step < valid;
-      cp_async_16(dst + i * step * 64, ok ? src + i * step * stride_s : g, ok);
+      for (int i = 0; i < Rows / step; ++i) cp_async_16(dst + i * step * 64, src + i * step * stride_s, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < Rows / step; ++i) {
+        const bool ok = r0 + i * step < valid;
+        cp_async_16(dst + i * step * 64, ok ? src + i * step * stride_s : g, ok);
+      }
     }
   } else {
     for (int c = threadIdx.x; c < Rows * CH; c += Tile::threads) {
