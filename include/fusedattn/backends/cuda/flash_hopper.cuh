@@ -29,6 +29,7 @@
 #include "flash.cuh"
 #include "head_mask.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace fusedattn {
@@ -46,8 +47,8 @@ struct hopper_tile {
   static constexpr int chunks = HeadDim / 8;       ///< 16-byte chunks per row
   static constexpr int min_blocks = MinBlocks;
   static constexpr int atom_bytes = 1024;  ///< one 8-row, 128-byte swizzle atom; tiles start on its boundary
-  /// Q, two K and two V tiles, plus slack to align the start to an atom.
-  static constexpr int smem_bytes = (block_m + 4 * block_n) * HeadDim * 2 + atom_bytes;
+  /// Q, two K and two V tiles, slack to align the start to an atom, and four mbarriers (TMA copies).
+  static constexpr int smem_bytes = (block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 64;
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
   static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
 };
@@ -101,8 +102,11 @@ __device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[Tiles][2]) {
     for (int e = 0; e < 2; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
+/// Q comes by cp.async (every thread, once per block); K and V tiles by TMA (one thread issues a tensor copy per
+/// 64-column panel, completing on the buffer's mbarrier, which every thread waits on).
 template <class E, class Tile, class Mask>
-__global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_kernel(const flash_params_t<Mask> p) {
+__global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
+    flash_hopper_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks;
   constexpr bool band = std::is_same_v<Mask, band_mask>;
@@ -114,6 +118,9 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   E* sq = reinterpret_cast<E*>(smem_raw + ((raw + atom - 1) / atom * atom - raw));  // [BM][D] in panels
   E* sk = sq + BM * D;      // [2][BN][D] in panels
   E* sv = sk + 2 * BN * D;  // [2][BN][D] in panels
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(sv + 2 * BN * D);  // K buffers 0, 1; V buffers 2, 3
+  if (threadIdx.x == 0)
+    for (int i = 0; i < 4; ++i) mbarrier_init(full + i);
 
   // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
   const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
@@ -129,8 +136,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   const int row_end = row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q;
 
   const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
-  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
-  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
   // Q streams in while the mask's first segment is looked up (a block-sparse layout: dependent global loads).
@@ -140,13 +145,23 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);
   const int k_first = tiles.first(split, p.splits);
-  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
-  auto load_k = [&](int k0, int stage) {
-    load_atoms<Tile, BN>(sk + stage * BN * D, k_head + k0 * p.k_stride.s, p.k_stride.s, rows_left(k0, p.seq_kv, BN));
+  // TMA: one thread announces the tile's bytes on the buffer's mbarrier and copies it panel by panel (keys past
+  // seq_kv arrive as zeros); each wait flips the buffer's expected parity, every copy being waited for once.
+  auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int k0, std::uint64_t* bar) {
+    if (threadIdx.x == 0) {
+      int at[3];
+      for (int i = 0; i < 3; ++i) at[i] = order[i] == 1 ? k0 : order[i] == 2 ? h_kv : b;
+      mbarrier_expect_bytes(bar, BN * D * int(sizeof(E)));
+      for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * BN * 64, &map, c * 64, at[0], at[1], at[2], bar);
+    }
   };
-  auto load_v = [&](int k0, int stage) {
-    load_atoms<Tile, BN>(sv + stage * BN * D, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+  unsigned parity = 0;  // bit i: the phase of mbarrier `full + i` to wait for next
+  auto wait_tile = [&](int i) {
+    mbarrier_wait(full + i, (parity >> i) & 1u);
+    parity ^= 1u << i;
   };
+  auto load_k = [&](int k0, int stage) { tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, full + stage); };
+  auto load_v = [&](int k0, int stage) { tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, full + 2 + stage); };
 
   // S (64 × BN per warpgroup) = Q (64 × D) · Kᵀ (D × BN): D/16 wgmma steps of 16 head-dim columns; step kk reads
   // chunk pair kk of panel kk / 4 of this warpgroup's Q rows and of the K tile.
@@ -233,22 +248,22 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
   // Tile 0's segment, read before the walk moves on to tile 1.
   int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;
   int k_next = -1;
-  if (k_first >= 0) load_k(k_first, 0);
-  cp_async_commit();  // with Q, issued before the mask's first segment was looked up
-  // K_1 and V_0 go to the free buffers at once, so no copy waits on tile 0's scores (a short q-block, as in a
-  // block-sparse row of a few tiles, would otherwise wait for two memory latencies before its loop).
+  cp_async_commit();  // Q
+  // K_0, and K_1 and V_0 into the free buffers at once, so no copy waits on tile 0's scores (a short q-block, as in
+  // a block-sparse row of a few tiles, would otherwise wait for two memory latencies before its loop).
   if (k_first >= 0) {
+    load_k(k_first, 0);
     k_next = tiles.next(k_first);
     if (k_next >= 0) load_k(k_next, 1);
     load_v(k_first, 0);
   }
-  cp_async_commit();
   if (k_first >= 0) {
     // Tile 0: S_0 and its softmax (nothing to add to O yet); K_1 and V_0 stream in meanwhile.
     std::uint32_t pk[BN / 8][2];  // P of the tile whose P·V is next
-    cp_async_wait<1>();  // Q and K_0
+    cp_async_wait<0>();  // Q, visible to wgmma after the proxy fence and the barrier
     fence_proxy_async();
     __syncthreads();
+    wait_tile(0);
     int k0 = k_first, k_stage = 1, v_stage = 0;
     {
       float s[BN / 8][4];
@@ -259,11 +274,11 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       softmax(s, k0, tile_begin, tile_end, pk, alpha);
     }
     for (k0 = k_next; k0 >= 0; k0 = k_next) {
-      // K_j and V_{j-1} landed; every warpgroup is done with S_{j-1} (K buffer k_stage ^ 1) and P_{j-2}·V_{j-2}
-      // (V buffer v_stage ^ 1), so K_{j+1} and V_j may overwrite them.
-      cp_async_wait<0>();
-      fence_proxy_async();
+      // Every warpgroup is done with S_{j-1} (K buffer k_stage ^ 1) and P_{j-2}·V_{j-2} (V buffer v_stage ^ 1),
+      // so K_{j+1} and V_j may overwrite them; then K_j and V_{j-1} must have landed.
       __syncthreads();
+      wait_tile(k_stage);
+      wait_tile(2 + v_stage);
       tile_begin = tiles.seg_begin;
       tile_end = tiles.seg_end;
 
@@ -276,7 +291,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       k_next = tiles.next(k0);
       if (k_next >= 0) load_k(k_next, k_stage ^ 1);
       load_v(k0, v_stage ^ 1);
-      cp_async_commit();
       wgmma_wait<1>();  // S_j is ready; P_{j-1}·V_{j-1} may still run
       fence_operands(s);
       softmax(s, k0, tile_begin, tile_end, pk_next, alpha);
@@ -296,9 +310,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks) flash_hopper_
       v_stage ^= 1;
     }
     // The last tile's P·V.
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
+    wait_tile(2 + v_stage);
     issue_pv(pk, v_stage);
     wgmma_wait<0>();
     fence_operands(acc);
@@ -418,10 +430,19 @@ struct hopper_decode_tile<64> {
   using type = hopper_tile<64, 128, 1>;
 };
 
-/// Launches the Hopper kernel (hopper_flash_ready must have said yes); split-KV and merge as launch_flash.
+/// Launches the Hopper kernel (hopper_flash_ready must have said yes); split-KV and merge as launch_flash. The
+/// kernel reads K and V through tensor maps made here; should the driver refuse one (flash_applies already asks
+/// for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
 template <class E, class Tile, class Mask>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
-  return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+  constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
+  const index_t heads_kv = p.heads / p.group;
+  const bool tma = make_kv_map(p.k_map, p.k_order, p.k, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
+                               p.k_stride, Tile::block_n) &&
+                   make_kv_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
+                               p.v_stride, Tile::block_n);
+  if (tma) return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+  return launch_flash<E, typename flash_default_tile<Tile::head_dim>::type>(p, stream);
 }
 
 }  // namespace cuda_backend
