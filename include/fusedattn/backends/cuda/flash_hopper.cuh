@@ -13,8 +13,8 @@
 ///   O *= α = exp(m_{j-1} − m_j) once P_{j-1}·V_{j-1} is done
 /// so the softmax of one tile may overlap the P·V product of the previous one (in the SASS of CUDA 13.0, ptxas puts
 /// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
-/// swizzled atoms (wgmma.cuh); cp.async brings K_{j+1} and V_j in while tile j runs (two K and two V buffers, one
-/// barrier per tile). Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh.
+/// swizzled atoms (wgmma.cuh); TMA brings K_{j+1} and V_j in while tile j runs (tma.cuh; two K and two V buffers,
+/// an mbarrier each, one block barrier per tile), cp.async the Q tile once. Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh.
 #pragma once
 
 #include <atomic>
