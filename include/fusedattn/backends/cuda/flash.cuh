@@ -57,8 +57,8 @@ struct flash_params_t {
   int splits;
   float* o_part;
   float* lse_part;
-  /// The Hopper kernel with TMA copies only (launch_flash_hopper fills them): tensor maps of K and V, and which
-  /// problem dimension (1 seq, 2 head, 3 batch) each of a map's outer dimensions is (make_kv_map).
+  /// Read by the Hopper kernel only (its TMA copies; launch_flash_hopper fills them): the tensor maps of K and V,
+  /// and which problem dimension (1 seq, 2 head, 3 batch) each outer dimension of a map is (make_kv_map).
   CUtensorMap k_map{}, v_map{};
   int k_order[3] = {1, 2, 3}, v_order[3] = {1, 2, 3};
 };
