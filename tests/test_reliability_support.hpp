@@ -93,10 +93,11 @@ rounding_bounds measure_rounding_bounds(const problem& p, const tensor_ref<const
   rounding_bounds r;
   const double scale = p.softmax_scale();
   for (index_t b = 0; b < p.batch; ++b)
-    for (index_t h = 0; h < p.heads; ++h)
+    for (index_t h = 0; h < p.heads; ++h) {
+      const auto& head_mask = for_head(mask, b, h);  // a per-head block_sparse layout: this (b, h)'s pattern
       for (index_t i = 0; i < p.seq_q; ++i)
         for (index_t j = 0; j < p.seq_kv; ++j) {
-          if (!mask.allowed(i, j)) continue;
+          if (!head_mask.allowed(i, j)) continue;
           double dot = 0, dot_abs = 0;
           for (index_t c = 0; c < p.head_dim; ++c) {
             const double x = static_cast<double>(q.row(b, h, i)[c]) * static_cast<double>(k.row(b, p.kv_head(h), j)[c]);
@@ -107,6 +108,7 @@ rounding_bounds measure_rounding_bounds(const problem& p, const tensor_ref<const
           r.logit = std::max(r.logit, std::abs(scale * dot));
           r.logit_abs = std::max(r.logit_abs, scale * dot_abs);
         }
+    }
   for (index_t b = 0; b < p.batch; ++b)
     for (index_t g = 0; g < p.heads_kv; ++g)
       for (index_t j = 0; j < p.seq_kv; ++j)
