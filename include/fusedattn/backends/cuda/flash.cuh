@@ -17,6 +17,7 @@
 /// their lse (flash_merge_kernel).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -59,8 +60,8 @@ struct flash_params_t {
   float* lse_part;
   /// Read by the Hopper kernel only (its TMA copies; launch_flash_hopper fills them): the tensor maps of K and V,
   /// and which problem dimension (1 seq, 2 head, 3 batch) each outer dimension of a map is (make_kv_map).
-  CUtensorMap k_map{}, v_map{};
-  int k_order[3] = {1, 2, 3}, v_order[3] = {1, 2, 3};
+  CUtensorMap k_map{}, v_map{}, q_map{};
+  int k_order[3] = {1, 2, 3}, v_order[3] = {1, 2, 3}, q_order[3] = {1, 2, 3};
 };
 using flash_params = flash_params_t<band_mask>;
 
@@ -487,12 +488,19 @@ bool flash_aligned(const tensor_ref<T>& t) {
          t.stride.b % vec == 0;
 }
 
-/// Launches a flash kernel `kernel` (flash_forward_kernel or flash_hopper_kernel) with `smem` bytes of dynamic
-/// shared memory, plus the merge of split-KV parts when the call is decode-like. `Tile` gives threads, block_m,
-/// block_n and head_dim; `E` is the device element type (__half or __nv_bfloat16); `p.splits`, `o_part`, `lse_part`
-/// are filled in here.
+/// launch_flash_kernel's `blocks_per_sm` for a 1-D grid of one block per work item.
+inline constexpr int one_block_per_item = 1 << 30;
+
+/// Launches a flash kernel `kernel` (flash_forward_kernel, flash_hopper_kernel or flash_hopper_ws_kernel) with
+/// `smem` bytes of dynamic shared memory and `threads` threads a block, plus the merge of split-KV parts when the
+/// call is decode-like. `Tile` gives block_m, block_n and head_dim; `E` is the device element type (__half or
+/// __nv_bfloat16); `p.splits`, `o_part`, `lse_part` are filled in here. The grid: `blocks_per_sm` = 0, block
+/// (q-block, head, batch · splits) (the first two kernels); > 0, a 1-D grid of at most that many blocks per
+/// multiprocessor, each walking the work items (q-block, head, batch, split) x, x + gridDim.x, ...
+/// (flash_hopper_ws_kernel; a split-KV call gets one block per item).
 template <class E, class Tile, class Mask>
-status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash_params_t<Mask> p, cudaStream_t stream) {
+status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash_params_t<Mask> p, cudaStream_t stream,
+                           int threads = Tile::threads, int blocks_per_sm = 0) {
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                             "cudaFuncSetAttribute(flash kernel)");
       !st)
@@ -523,8 +531,11 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
       return st;
     }
   }
-  const dim3 grid(unsigned(q_blocks), p.heads, p.batch * p.splits);
-  kernel<<<grid, Tile::threads, smem, stream>>>(p);
+  const index_t items = q_blocks * p.heads * p.batch * p.splits;  // work items (q-block, head, batch, split)
+  if (blocks_per_sm > 0 && p.splits > 1) blocks_per_sm = one_block_per_item;
+  const dim3 grid = blocks_per_sm > 0 ? dim3(unsigned(std::min<index_t>(items, index_t(blocks_per_sm) * multiprocessors)))
+                                      : dim3(unsigned(q_blocks), p.heads, p.batch * p.splits);
+  kernel<<<grid, threads, smem, stream>>>(p);
   if (p.splits == 1) return last_launch("flash kernel");
   const status launched = last_launch("flash kernel");
   if (launched) flash_merge_kernel<E, Mask><<<unsigned(rows), Tile::head_dim, 0, stream>>>(p, Tile::head_dim);

@@ -4,8 +4,9 @@
 /// mma.sync kernel of flash.cuh, whose parameters (flash_params_t) and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
-/// One thread block owns block_m = 128 query rows of one (batch, head): two warpgroups of 64 rows, each warp 16 of
-/// them (the m16n8 accumulator layout, as in flash.cuh). Per key tile j of block_n keys, each warpgroup runs
+/// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows,
+/// each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh). Per key tile j of block_n keys, each
+/// warpgroup runs
 ///   S_j = Q·K_jᵀ              (wgmma, Q and K_j from shared memory)          — issued, asynchronous
 ///   O  += P_{j-1}·V_{j-1}      (wgmma, P from registers, V_{j-1} from shared) — issued, asynchronous
 ///   mask S_j; m_j = max(m_{j-1}, rowmax(scale·S_j)); P_j = exp(scale·S_j − m_j); l = l·α + rowsum(P_j)
@@ -13,8 +14,13 @@
 ///   O *= α = exp(m_{j-1} − m_j) once P_{j-1}·V_{j-1} is done
 /// so the softmax of one tile may overlap the P·V product of the previous one (in the SASS of CUDA 13.0, ptxas puts
 /// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
-/// swizzled atoms (wgmma.cuh); TMA brings K_{j+1} and V_j in while tile j runs (tma.cuh; two K and two V buffers,
-/// an mbarrier each, one block barrier per tile), cp.async the Q tile once. Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh.
+/// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
+/// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
+///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, decode 64) — warp-specialised: a producer
+///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
+///     compute with no block barrier, items walked by a persistent grid (no mask, block-sparse) or one block each;
+///   flash_hopper_kernel (tiles of two blocks per SM: head_dim 64) — every warp computes, Q by cp.async, one block
+///     barrier per key tile guards the buffers.
 #pragma once
 
 #include <atomic>
@@ -35,8 +41,9 @@
 namespace fusedattn {
 namespace cuda_backend {
 
-/// Compile-time tile shape of the Hopper kernel: two warpgroups (128 query rows), `BlockN` keys per tile, two K and
-/// two V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__).
+/// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
+/// one exists for the bench's sweeps), `BlockN` keys per tile, two K and two V buffers. `MinBlocks` blocks per
+/// multiprocessor bound the registers (__launch_bounds__) and pick the kernel (warp_specialized).
 template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
@@ -48,7 +55,17 @@ struct hopper_tile {
   static constexpr int min_blocks = MinBlocks;
   static constexpr int atom_bytes = 1024;  ///< one 8-row, 128-byte swizzle atom; tiles start on its boundary
   /// Q, two K and two V tiles, slack to align the start to an atom, and four mbarriers (TMA copies).
+  /// One block per multiprocessor: flash_hopper_ws_kernel (a producer warpgroup besides the `warpgroups` consumer
+  /// ones, which take the registers it gives back); several: flash_hopper_kernel (every warp computes, the register
+  /// file shared by the blocks).
+  static constexpr bool warp_specialized = MinBlocks == 1;
+  /// flash_hopper_kernel's shared memory: Q, two K and two V tiles, slack to align the start to an atom, and four
+  /// mbarriers (TMA copies).
   static constexpr int smem_bytes = (block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 64;
+  /// flash_hopper_ws_kernel's: two Q buffers where they fit in 227 KB (an item's Q then loads during the previous
+  /// item), two K, two V, the slack, and hopper_ws_shared.
+  static constexpr int q_buffers = (2 * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256 <= 227 * 1024 ? 2 : 1;
+  static constexpr int ws_smem_bytes = (q_buffers * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256;
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
   static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
 };
@@ -62,34 +79,14 @@ __device__ __forceinline__ int atom_offset(int row, int chunk) {
 }
 
 /// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into the panel layout; rows at and
-/// past `valid` are zero-filled (their scores are masked, their P is 0).
-/// Thread t copies chunk t mod chunks of rows t / chunks + i·step (step = threads / chunks). When step is a multiple
-/// of 8 all these rows have the same swizzle phase (row mod 8), so both addresses advance by a constant per step:
-/// a few instructions per copy instead of a division and a swizzle each (the copies are issued inside the key
-/// loop, in the same instruction stream as the softmax).
+/// past `valid` are zero-filled (their scores are masked, their P is 0). flash_hopper_kernel's Q tile, once per block.
 template <class Tile, int Rows, class E>
 __device__ __forceinline__ void load_atoms(E* smem, const E* g, index_t stride_s, int valid) {
-  constexpr int CH = Tile::chunks, step = Tile::threads / CH;
-  if constexpr (Tile::threads % CH == 0 && step % 8 == 0 && Rows % step == 0) {
-    const int ch = threadIdx.x % CH, r0 = threadIdx.x / CH;
-    E* dst = smem + atom_offset<Rows>(r0, ch);
-    const E* src = g + r0 * stride_s + ch * 8;
-    if (valid >= Rows) {  // a full tile: no row test
-#pragma unroll
-      for (int i = 0; i < Rows / step; ++i) cp_async_16(dst + i * step * 64, src + i * step * stride_s, true);
-    } else {
-#pragma unroll
-      for (int i = 0; i < Rows / step; ++i) {
-        const bool ok = r0 + i * step < valid;
-        cp_async_16(dst + i * step * 64, ok ? src + i * step * stride_s : g, ok);
-      }
-    }
-  } else {
-    for (int c = threadIdx.x; c < Rows * CH; c += Tile::threads) {
-      const int r = c / CH, ch = c % CH;
-      const bool ok = r < valid;
-      cp_async_16(smem + atom_offset<Rows>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
-    }
+  constexpr int CH = Tile::chunks;
+  for (int c = threadIdx.x; c < Rows * CH; c += Tile::threads) {
+    const int r = c / CH, ch = c % CH;
+    const bool ok = r < valid;
+    cp_async_16(smem + atom_offset<Rows>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
   }
 }
 
@@ -102,15 +99,176 @@ __device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[Tiles][2]) {
     for (int e = 0; e < 2; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
-/// Q comes by cp.async (every thread, once per block); K and V tiles by TMA (one thread issues a tensor copy per
-/// 64-column panel, completing on the buffer's mbarrier, which every thread waits on).
+/// The descriptor of a tile `elements` further on: a descriptor's address field counts 16-byte units and no tile
+/// crosses the 2^18-byte window it covers, so the descriptor of base + offset is that of base plus offset / 8.
+__device__ __forceinline__ std::uint64_t desc_plus(std::uint64_t desc, int elements) {
+  return desc + std::uint64_t(elements >> 3);
+}
+
+// The per-tile steps both Hopper kernels run in each consumer warp (rows row0 + g and row0 + g + 8 of this thread,
+// spread over a quad; a warpgroup's 64 rows start at 64·wg of the block's Q tile).
+
+/// S (64 × BN per warpgroup) = Q (64 × D) · Kᵀ (D × BN), issued and committed: D/16 wgmma steps of 16 head-dim
+/// columns; step kk reads chunk pair kk of panel kk / 4 of this warpgroup's Q rows and of the K tile.
+template <class E, class Tile>
+__device__ __forceinline__ void issue_scores(float (&s)[Tile::block_n / 8][4], std::uint64_t q_desc,
+                                             std::uint64_t k_desc) {
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int panel = kk / 4, col = (kk % 4) * 16;
+    wgmma_ss<E, BN>(s, desc_plus(q_desc, panel * BM * 64 + col), desc_plus(k_desc, panel * BN * 64 + col), kk > 0);
+  }
+  wgmma_commit();
+}
+
+/// O (64 × D per warpgroup) += P (64 × BN, registers) · V (BN × D), issued and committed: BN/16 steps of 16 keys;
+/// the packed P of key tiles 2kk, 2kk + 1 is this warp's A fragment, V rows [16kk, 16kk + 16) an N-major
+/// descriptor over the panels of at most 128 output columns (head_dim 256: two products of N = 128, panels 0–1 and
+/// 2–3).
+template <class E, class Tile>
+__device__ __forceinline__ void issue_pv(float (&acc)[Tile::head_dim / 8][4], std::uint32_t (&pk)[Tile::block_n / 8][2],
+                                         std::uint64_t v_desc) {
+  constexpr int D = Tile::head_dim, BN = Tile::block_n, NV = D < 128 ? D : 128;
+  fence_fragments(pk);  // P is in its registers before the first wgmma: no move may land between them
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+#pragma unroll
+    for (int c = 0; c < D / NV; ++c)
+      wgmma_rs<E, NV>(*reinterpret_cast<float(*)[NV / 8][4]>(&acc[c * NV / 8]), a,
+                      desc_plus(v_desc, (c * NV / 64) * BN * 64 + kk * 16 * 64));
+  }
+  wgmma_commit();
+}
+
+/// Where this thread's rows are and what the softmax needs of the call.
+struct softmax_rows {
+  int row0, row_end;  ///< the warp's rows [row0, row_end)
+  int g, t;           ///< accumulator coordinates: row group, thread in group
+  float scale_log2;   ///< softmax scale · log2(e)
+};
+
+/// Mask, online softmax and packing of one score tile S (keys [k0, k0 + BN)): the per-element mask only on tiles
+/// that need it (`rule`; a block-sparse tile past its run [tile_begin, tile_end) also masks by that range);
+/// m_run, l_run advance; P goes to `pk` (16-bit pairs: the A fragment of P·V); alpha[r] is the factor O must be
+/// rescaled by before this tile's P·V is added.
+template <class E, int BN, bool Band>
+__device__ __forceinline__ void tile_softmax(float (&s)[BN / 8][4], std::uint32_t (&pk)[BN / 8][2], float (&alpha)[2],
+                                             float (&m_run)[2], float (&l_run)[2], const band32& rule,
+                                             const softmax_rows& w, int k0, int tile_begin, int tile_end) {
+  constexpr float neg_inf = -INFINITY;
+  const bool past_edge = !Band && (k0 < tile_begin || k0 + BN > tile_end);
+  if (past_edge || rule.is_partial(w.row0, w.row_end, k0, k0 + BN)) {
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = n * 8 + 2 * w.t + (e & 1), i = w.row0 + w.g + 8 * (e / 2), j = k0 + c;
+        bool ok = rule.allowed(i, j);
+        if constexpr (!Band) ok = ok && j >= tile_begin && j < tile_end;
+        if (!ok) s[n][e] = neg_inf;
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = neg_inf;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(m_run[r], mx * w.scale_log2);
+    const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
+    alpha[r] = fast_exp2(m_run[r] - m_use);
+    m_run[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+      const float p0 = fast_exp2(fmaf(s[n][2 * r], w.scale_log2, -m_use));
+      const float p1 = fast_exp2(fmaf(s[n][2 * r + 1], w.scale_log2, -m_use));
+      sum += p0 + p1;
+      pk[n][r] = mma_type<E>::pack(p0, p1);
+    }
+    l_run[r] = l_run[r] * alpha[r] + sum;
+  }
+}
+
+/// O *= alpha, row by row (after the P·V that O holds has completed).
+template <int D>
+__device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    acc[n][0] *= alpha[0];
+    acc[n][1] *= alpha[0];
+    acc[n][2] *= alpha[1];
+    acc[n][3] *= alpha[1];
+  }
+}
+
+/// The end of one q-block (b, h, split; rows from q0) in this warp: O = acc / l, lse = ln 2 · (m + log2 l); a row
+/// that saw no key gets O = 0, lse = −inf. A split writes its f32 part and lse straight to o_part / lse_part; else
+/// lse goes to p.lse and O, packed, into the staging tile `stage` (the q-block's Q tile, panel layout, `BM` rows),
+/// which the caller copies out as 16-byte chunks once every warp has staged its rows.
+template <class E, class Tile, class Mask>
+__device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float (&acc)[Tile::head_dim / 8][4],
+                                            const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
+                                            int b, int h, int split, int q0, E* stage) {
+  constexpr int D = Tile::head_dim;
+  constexpr float ln2 = 0.69314718055994531f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const int row = w.row0 + w.g + 8 * r;
+    const float lse = l > 0.f ? (m_run[r] + log2f(l)) * ln2 : -INFINITY;
+    if (p.splits > 1) {
+      if (row >= p.seq_q) continue;
+      const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
+      if (w.t == 0) p.lse_part[part_row] = lse;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * w.t) =
+            make_float2(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
+    } else {
+      if (p.lse != nullptr && w.t == 0 && row < p.seq_q)
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = lse;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<std::uint32_t*>(stage + atom_offset<Tile::block_m>(row - q0, n) + 2 * w.t) =
+            mma_type<E>::pack(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
+    }
+  }
+}
+
+/// Copies rows [r0, r1) of the staged O tile (panel layout) to O's rows q0 + r, as 16-byte chunks, by `threads`
+/// threads of which this is `tid`.
+template <class E, class Tile, class Mask>
+__device__ __forceinline__ void store_rows(const flash_params_t<Mask>& p, const E* stage, int b, int h, int q0, int r0,
+                                           int r1, int tid, int threads) {
+  constexpr int CH = Tile::chunks;
+  E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+  for (int c = tid; c < (r1 - r0) * CH; c += threads) {
+    const int r = r0 + c / CH, ch = c % CH;
+    if (q0 + r < p.seq_q)
+      *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + atom_offset<Tile::block_m>(r, ch));
+  }
+}
+
+/// The kernel of tiles with several blocks per multiprocessor (hopper_tile::warp_specialized false): every warp
+/// computes. Q comes by cp.async (every thread, once per block); K and V tiles by TMA (thread 0 issues a tensor copy
+/// per 64-column panel, completing on the buffer's mbarrier, which every thread waits on); one block barrier per
+/// key tile guards the buffers.
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     flash_hopper_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
-  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks;
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n;
   constexpr bool band = std::is_same_v<Mask, band_mask>;
-  constexpr float neg_inf = -INFINITY;
   constexpr std::uint32_t atom = Tile::atom_bytes;          // K-major: 8 rows to the next 8 rows
   constexpr std::uint32_t v_panel = BN * 128;               // V, N-major: one 64-column panel to the next
   extern __shared__ unsigned char smem_raw[];
@@ -126,17 +284,13 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits, h_kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-  const int g = lane / 4, t = lane % 4;  // accumulator coordinates: row group, thread in group
-
-  // This warp holds rows [row0, row0 + 16) of the block (warpgroup wg's 64 rows start at 64·wg); this thread rows
-  // row0 + g and row0 + g + 8.
   const int q0 = m_block * BM;
   const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  // This warp holds rows [row0, row0 + 16) of the block (warpgroup wg's 64 rows start at 64·wg).
   const int row0 = q0 + 16 * warp;
-  const int row_end = row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q;
+  const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
 
   const E* q_head = static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
-  E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
 
   // Q streams in while the mask's first segment is looked up (a block-sparse layout: dependent global loads).
   load_atoms<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
@@ -163,85 +317,13 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   auto load_k = [&](int k0, int stage) { tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, full + stage); };
   auto load_v = [&](int k0, int stage) { tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, full + 2 + stage); };
 
-  // S (64 × BN per warpgroup) = Q (64 × D) · Kᵀ (D × BN): D/16 wgmma steps of 16 head-dim columns; step kk reads
-  // chunk pair kk of panel kk / 4 of this warpgroup's Q rows and of the K tile.
-  // The descriptors are built once: a descriptor's address field counts 16-byte units and no tile crosses the
-  // 2^18-byte window it covers, so the descriptor of an element offset is the base descriptor plus offset / 8.
+  // The wgmma descriptors, built once (desc_plus moves them to a buffer).
   const std::uint64_t q_desc = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
   const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
   const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
-  auto plus = [](std::uint64_t desc, int elements) { return desc + std::uint64_t(elements >> 3); };
-  auto issue_scores = [&](float (&s)[BN / 8][4], int stage) {
-    wgmma_fence();
-    const std::uint64_t kd0 = plus(k_desc, stage * BN * D);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int panel = kk / 4, col = (kk % 4) * 16;
-      wgmma_ss<E, BN>(s, plus(q_desc, panel * BM * 64 + col), plus(kd0, panel * BN * 64 + col), kk > 0);
-    }
-    wgmma_commit();
-  };
-  // O (64 × D per warpgroup) += P (64 × BN, registers) · V (BN × D): BN/16 steps of 16 keys; the packed P of key
-  // tiles 2kk, 2kk + 1 is this warp's A fragment, V rows [16kk, 16kk + 16) an N-major descriptor over the panels
-  // of at most 128 output columns (head_dim 256: two products of N = 128, panels 0–1 and 2–3).
-  constexpr int NV = D < 128 ? D : 128;
+
   float acc[D / 8][4];
-  auto issue_pv = [&](std::uint32_t (&pk)[BN / 8][2], int stage) {
-    fence_fragments(pk);  // P is in its registers before the first wgmma: no move may land between them
-    wgmma_fence();
-    const std::uint64_t vd0 = plus(v_desc, stage * BN * D);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-#pragma unroll
-      for (int c = 0; c < D / NV; ++c)
-        wgmma_rs<E, NV>(*reinterpret_cast<float(*)[NV / 8][4]>(&acc[c * NV / 8]), a,
-                        plus(vd0, (c * NV / 64) * BN * 64 + kk * 16 * 64));
-    }
-    wgmma_commit();
-  };
-
-  float m_run[2] = {neg_inf, neg_inf}, l_run[2] = {0.f, 0.f};
-  // Mask, online softmax and packing of one score tile (rows g and g + 8 of this warp, spread over a quad): the
-  // per-element mask only on tiles that need it; alpha[r] is the factor O must be rescaled by before P of this
-  // tile is added.
-  auto softmax = [&](float (&s)[BN / 8][4], int k0, int tile_begin, int tile_end, std::uint32_t (&pk)[BN / 8][2],
-                     float (&alpha)[2]) {
-    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
-    if (past_edge || rule.is_partial(row0, row_end, k0, k0 + BN)) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = n * 8 + 2 * t + (e & 1), i = row0 + g + 8 * (e / 2), j = k0 + c;
-          bool ok = rule.allowed(i, j);
-          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
-          if (!ok) s[n][e] = neg_inf;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = neg_inf;
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(m_run[r], mx * p.scale_log2);
-      const float m_use = mx == neg_inf ? 0.f : mx;  // a row with nothing allowed yet keeps P = 0, no NaN
-      alpha[r] = fast_exp2(m_run[r] - m_use);
-      m_run[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
-        const float p0 = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -m_use));
-        const float p1 = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -m_use));
-        sum += p0 + p1;
-        pk[n][r] = mma_type<E>::pack(p0, p1);
-      }
-      l_run[r] = l_run[r] * alpha[r] + sum;
-    }
-  };
-
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
@@ -256,8 +338,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     k_next = tiles.next(k_first);
     if (k_next >= 0) load_k(k_next, 1);
     load_v(k_first, 0);
-  }
-  if (k_first >= 0) {
+
     // Tile 0: S_0 and its softmax (nothing to add to O yet); K_1 and V_0 stream in meanwhile.
     std::uint32_t pk[BN / 8][2];  // P of the tile whose P·V is next
     cp_async_wait<0>();  // Q, visible to wgmma after the proxy fence and the barrier
@@ -268,10 +349,10 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     {
       float s[BN / 8][4];
       float alpha[2];
-      issue_scores(s, 0);
+      issue_scores<E, Tile>(s, q_desc, k_desc);
       wgmma_wait<0>();
       fence_operands(s);
-      softmax(s, k0, tile_begin, tile_end, pk, alpha);
+      tile_softmax<E, BN, band>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
     }
     for (k0 = k_next; k0 >= 0; k0 = k_next) {
       // Every warpgroup is done with S_{j-1} (K buffer k_stage ^ 1) and P_{j-2}·V_{j-2} (V buffer v_stage ^ 1),
@@ -285,25 +366,19 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
       float s[BN / 8][4];
       std::uint32_t pk_next[BN / 8][2];
       float alpha[2];
-      issue_scores(s, k_stage);
-      issue_pv(pk, v_stage);
+      issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, k_stage * BN * D));
+      issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, v_stage * BN * D));
       // The next tile is found and its loads issued while the wgmma run.
       k_next = tiles.next(k0);
       if (k_next >= 0) load_k(k_next, k_stage ^ 1);
       load_v(k0, v_stage ^ 1);
       wgmma_wait<1>();  // S_j is ready; P_{j-1}·V_{j-1} may still run
       fence_operands(s);
-      softmax(s, k0, tile_begin, tile_end, pk_next, alpha);
+      tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
       wgmma_wait<0>();
       fence_operands(acc);
       fence_fragments(pk);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][0] *= alpha[0];
-        acc[n][1] *= alpha[0];
-        acc[n][2] *= alpha[1];
-        acc[n][3] *= alpha[1];
-      }
+      rescale<D>(acc, alpha);
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n) pk[n][0] = pk_next[n][0], pk[n][1] = pk_next[n][1];
       k_stage ^= 1;
@@ -311,48 +386,207 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     }
     // The last tile's P·V.
     wait_tile(2 + v_stage);
-    issue_pv(pk, v_stage);
+    issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, v_stage * BN * D));
     wgmma_wait<0>();
     fence_operands(acc);
     fence_fragments(pk);
   }
 
-  // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf. As in flash_forward_kernel:
   // O is staged through the Q tile and written as 16-byte chunks; a split writes its f32 part straight.
-  constexpr float ln2 = 0.69314718055994531f;
   cp_async_wait<0>();  // a block with no key tile never waited for its Q copy, which must land before O is staged
   __syncthreads();     // every warpgroup's reads of Q are done
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    const int row = row0 + g + 8 * r;
-    const float lse = l > 0.f ? (m_run[r] + log2f(l)) * ln2 : neg_inf;
-    if (p.splits > 1) {
-      if (row >= p.seq_q) continue;
-      const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
-      if (t == 0) p.lse_part[part_row] = lse;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * t) =
-            make_float2(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
-    } else {
-      if (p.lse != nullptr && t == 0 && row < p.seq_q) p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = lse;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<std::uint32_t*>(sq + atom_offset<BM>(row - q0, n) + 2 * t) =
-            mma_type<E>::pack(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
-    }
-  }
+  finish_rows<E, Tile>(p, acc, m_run, l_run, w, b, h, split, q0, sq);
   if (p.splits > 1) return;
   __syncthreads();
-  for (int c = threadIdx.x; c < BM * CH; c += Tile::threads) {
-    const int r = c / CH, ch = c % CH;
-    if (q0 + r < p.seq_q)
-      *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
-          *reinterpret_cast<const uint4*>(sq + atom_offset<BM>(r, ch));
+  store_rows<E, Tile>(p, sq, b, h, q0, 0, BM, threadIdx.x, Tile::threads);
+#else
+  (void)p;
+#endif
+}
+
+/// Shared-memory bookkeeping of the warp-specialised kernel, after its tiles: the mbarriers of each buffer and what
+/// the producer tells the consumers about each key tile (its keys, its run, whether it ends its item) and each item.
+struct hopper_ws_shared {
+  std::uint64_t q_full[2], q_empty[2], k_full[2], k_empty[2], v_full[2], v_empty[2];
+  int k0[2], seg_begin[2], seg_end[2], last[2];  ///< per K buffer
+  int has_tiles[2];                               ///< per Q buffer: the item has at least one key tile
+};
+
+/// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
+/// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
+/// block, blockIdx.x, blockIdx.x + gridDim.x, ... (a persistent grid of one block per SM, or one block per item) and
+/// their key tiles, and issues the TMA copies of Q (two buffers where they fit), K and V (two each) as soon as the
+/// consumers free a buffer ("empty" mbarriers): the next item's Q and first tiles load while the current one
+/// computes. Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence
+/// with no block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. The
+/// producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads + 128, 1)
+    flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
+#if FUSEDATTN_WGMMA_COMPILED
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, QB = Tile::q_buffers;
+  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr std::uint32_t atom = Tile::atom_bytes;
+  constexpr std::uint32_t v_panel = BN * 128;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t raw = smem_address(smem_raw);
+  E* sq = reinterpret_cast<E*>(smem_raw + ((raw + atom - 1) / atom * atom - raw));  // [QB][BM][D] in panels
+  E* sk = sq + QB * BM * D;                                                          // [2][BN][D] in panels
+  E* sv = sk + 2 * BN * D;                                                           // [2][BN][D] in panels
+  hopper_ws_shared& ws = *reinterpret_cast<hopper_ws_shared*>(sv + 2 * BN * D);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbarrier_init(&ws.q_full[i]);
+      mbarrier_init(&ws.k_full[i]);
+      mbarrier_init(&ws.v_full[i]);
+      mbarrier_init(&ws.q_empty[i], Tile::threads);  // every consumer thread arrives
+      mbarrier_init(&ws.k_empty[i], Tile::threads);
+      mbarrier_init(&ws.v_empty[i], Tile::threads);
+    }
+  }
+  __syncthreads();
+
+  // Work item x, in the order of flash_hopper_kernel's grid: the q-blocks of one (batch, head) together, heaviest
+  // (under a causal mask: the last) first; then heads, splits, batch.
+  const int q_blocks = (p.seq_q + BM - 1) / BM;
+  const int items = q_blocks * p.heads * p.splits * p.batch;
+  struct item_t {
+    int m_block, h, b, split;
+  };
+  auto item_at = [&](int x) {
+    item_t it;
+    it.m_block = q_blocks - 1 - x % q_blocks;
+    x /= q_blocks;
+    it.h = x % p.heads;
+    x /= p.heads;
+    it.split = x % p.splits;
+    it.b = x / p.splits;
+    return it;
+  };
+  // Buffers are used round robin: item n in Q buffer n % QB, the block's key tile kt in K and V buffer kt % 2; a
+  // "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
+
+  if (threadIdx.x < 128) {  // ---- the producer warpgroup: thread 0 issues every copy, the others leave
+    if constexpr (Tile::warpgroups == 2) warpgroup_registers_dec<24>();  // 24·128 + 240·256 ≤ 64K registers
+    if (threadIdx.x != 0) return;
+    auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int row, int head, int batch, int rows,
+                        std::uint64_t* bar) {
+      int at[3];
+      for (int i = 0; i < 3; ++i) at[i] = order[i] == 1 ? row : order[i] == 2 ? head : batch;
+      mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
+      for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
+    };
+    int n = 0, kt = 0;
+    for (int x = blockIdx.x; x < items; x += gridDim.x, ++n) {
+      const item_t it = item_at(x);
+      const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+      const Mask mask = head_mask(p.mask, it.b, it.h);
+      key_tiles<Mask, BN> tiles(mask, q0, q1);
+      const int k_first = tiles.first(it.split, p.splits);
+      const int qb = n % QB;
+      mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
+      ws.has_tiles[qb] = k_first >= 0;  // published by the arrival below (release)
+      tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
+      for (int k0 = k_first, k_next; k0 >= 0; k0 = k_next, ++kt) {
+        const int stage = kt % 2, parity = ((kt / 2) & 1) ^ 1;
+        const int seg_begin = tiles.seg_begin, seg_end = tiles.seg_end;  // the run of this tile
+        k_next = tiles.next(k0);
+        mbarrier_wait(&ws.k_empty[stage], parity);
+        ws.k0[stage] = k0;
+        ws.seg_begin[stage] = seg_begin;
+        ws.seg_end[stage] = seg_end;
+        ws.last[stage] = k_next < 0;
+        tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
+        mbarrier_wait(&ws.v_empty[stage], parity);
+        tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
+      }
+    }
+    return;
+  }
+
+  // ---- the consumer warpgroups
+  if constexpr (Tile::warpgroups == 2) warpgroup_registers_inc<240>();  // (one consumer warpgroup: 255 already)
+  const int ct = threadIdx.x - 128;  // consumer thread
+  const int warp = ct / 32, lane = ct % 32, wg = warp / 4;
+  // This thread is done reading a buffer: every consumer thread arrives (an arrival by lane 0 only, predicated on
+  // the lane, made ptxas serialise the wgmma: note C7513).
+  auto release = [&](std::uint64_t* bar) { mbarrier_arrive(bar); };
+  const std::uint64_t q_desc0 = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
+  const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
+  const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
+  float acc[D / 8][4];
+  int n = 0, kt = 0;
+  for (int x = blockIdx.x; x < items; x += gridDim.x, ++n) {
+    const item_t it = item_at(x);
+    const int q0 = it.m_block * BM;
+    const int row0 = q0 + 16 * warp;
+    const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
+    const int qb = n % QB;
+    const band32 rule = element_rule(head_mask(p.mask, it.b, it.h));
+    const std::uint64_t q_desc = desc_plus(q_desc0, qb * BM * D);
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.f;
+
+    mbarrier_wait(&ws.q_full[qb], (n / QB) & 1);
+    if (ws.has_tiles[qb]) {
+      std::uint32_t pk[BN / 8][2];  // P of tile kt − 1, whose P·V is next
+      mbarrier_wait(&ws.k_full[kt % 2], (kt / 2) & 1);
+      bool last = ws.last[kt % 2];
+      {  // tile 0 of the item: S_0 and its softmax
+        // (a buffer's notes are read before it is freed: the producer then rewrites them)
+        const int k0 = ws.k0[kt % 2], tile_begin = ws.seg_begin[kt % 2], tile_end = ws.seg_end[kt % 2];
+        float s[BN / 8][4];
+        float alpha[2];
+        issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, (kt % 2) * BN * D));
+        wgmma_wait<0>();
+        fence_operands(s);
+        release(&ws.k_empty[kt % 2]);
+        tile_softmax<E, BN, band>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+      }
+      for (++kt; !last; ++kt) {  // S_j with P_{j-1}·V_{j-1}, as in flash_hopper_kernel
+        const int stage = kt % 2;
+        mbarrier_wait(&ws.k_full[stage], (kt / 2) & 1);
+        mbarrier_wait(&ws.v_full[stage ^ 1], ((kt - 1) / 2) & 1);
+        const int k0 = ws.k0[stage], tile_begin = ws.seg_begin[stage], tile_end = ws.seg_end[stage];
+        last = ws.last[stage];
+        float s[BN / 8][4];
+        std::uint32_t pk_next[BN / 8][2];
+        float alpha[2];
+        issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, stage * BN * D));
+        issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, (stage ^ 1) * BN * D));
+        wgmma_wait<1>();
+        fence_operands(s);
+        release(&ws.k_empty[stage]);
+        tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+        wgmma_wait<0>();
+        fence_operands(acc);
+        fence_fragments(pk);
+        release(&ws.v_empty[stage ^ 1]);
+        rescale<D>(acc, alpha);
+#pragma unroll
+        for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
+      }
+      // The last tile's P·V.
+      const int v_stage = (kt - 1) % 2;
+      mbarrier_wait(&ws.v_full[v_stage], ((kt - 1) / 2) & 1);
+      issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, v_stage * BN * D));
+      wgmma_wait<0>();
+      fence_operands(acc);
+      fence_fragments(pk);
+      release(&ws.v_empty[v_stage]);
+    }
+
+    // O is staged through this warpgroup's 64 rows of the item's Q buffer (only this warpgroup read them) and
+    // written by the warpgroup; then the buffer is freed for the item after next.
+    E* stage = sq + qb * BM * D;
+    finish_rows<E, Tile>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage);
+    if (p.splits == 1) {
+      named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
+      store_rows<E, Tile>(p, stage, it.b, it.h, q0, 64 * wg, 64 * wg + 64, ct % 128, 128);
+    }
+    fence_proxy_async();  // these generic-proxy accesses of the Q buffer precede the next TMA write into it
+    release(&ws.q_empty[qb]);
   }
 #else
   (void)p;
@@ -430,9 +664,21 @@ struct hopper_decode_tile<64> {
   using type = hopper_tile<64, 128, 1>;
 };
 
-/// Launches the Hopper kernel (hopper_flash_ready must have said yes); split-KV and merge as launch_flash. The
-/// kernel reads K and V through tensor maps made here; should the driver refuse one (flash_applies already asks
-/// for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
+/// Whether the warp-specialised kernel runs on a persistent grid (one block per SM walking the items) for this
+/// mask: yes where items cost about the same or vary at random (no mask, block-sparse), so the next item's loads
+/// overlap the current one; no under a causal or window band, whose q-blocks differ in cost in order — a static
+/// round robin leaves some SMs the long ones (measured on an H100: (1,16,16384,128) causal 339 against 479
+/// TFLOP/s), while one block per item lets the hardware hand out the next item as an SM frees. Split-KV calls
+/// (decode) always take one block per item (launch_flash_kernel).
+inline bool hopper_persistent(const band_mask& m) {
+  return m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded;
+}
+inline bool hopper_persistent(const block_sparse_mask&) { return true; }
+
+/// Launches the Hopper kernel of `Tile` (hopper_flash_ready must have said yes): flash_hopper_ws_kernel for a tile
+/// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
+/// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
+/// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
 template <class E, class Tile, class Mask>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
@@ -441,7 +687,14 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
                                p.k_stride, Tile::block_n) &&
                    make_kv_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
                                p.v_stride, Tile::block_n);
-  if (tma) return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+  if constexpr (Tile::warp_specialized) {
+    if (tma && make_kv_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
+                           Tile::block_m))
+      return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
+                                          Tile::threads + 128, hopper_persistent(p.mask) ? 1 : one_block_per_item);
+  } else {
+    if (tma) return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+  }
   return launch_flash<E, typename flash_default_tile<Tile::head_dim>::type>(p, stream);
 }
 

@@ -19,11 +19,21 @@
 namespace fusedattn {
 namespace cuda_backend {
 
-/// Initialises an mbarrier in shared memory that completes a phase after one arrival plus its expected bytes.
-__device__ __forceinline__ void mbarrier_init(std::uint64_t* bar) {
+/// Initialises an mbarrier in shared memory that completes a phase after `arrivals` arrivals (plus, for a copy's
+/// barrier, its expected bytes).
+__device__ __forceinline__ void mbarrier_init(std::uint64_t* bar, std::uint32_t arrivals = 1) {
 #if FUSEDATTN_WGMMA_COMPILED
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_address(bar)));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(arrivals));
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  (void)bar, (void)arrivals;
+#endif
+}
+/// One arrival on `bar` (release: this thread's earlier shared-memory reads and writes happen before the phase
+/// completes for a waiter).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
 #else
   (void)bar;
 #endif
@@ -62,6 +72,25 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
 #else
   (void)smem, (void)map, (void)c0, (void)c1, (void)c2, (void)c3, (void)bar;
 #endif
+}
+
+/// Gives this warpgroup `Regs` registers a thread (setmaxnreg; every thread of the warpgroup executes it): a
+/// producer warpgroup hands registers back, the consumers take them. Needs __launch_bounds__ with min blocks.
+template <int Regs>
+__device__ __forceinline__ void warpgroup_registers_dec() {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+#endif
+}
+template <int Regs>
+__device__ __forceinline__ void warpgroup_registers_inc() {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+#endif
+}
+/// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32) of the block.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 /// The tensor map of a K or V operand for tiles of `rows` keys × 64 columns in 128-byte swizzled atoms (the panel
