@@ -208,9 +208,10 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
   }
   // More work items than blocks: on a Hopper the persistent grid (132 blocks) walks 3 items in most blocks, so both
-  // Q buffers and the K/V buffers are reused across items.
+  // Q buffers and the K/V buffers are reused across items (dense head by head, causal q-block first in a snake).
   const problem many{1, 270, 2, 3, 40, 128};
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, dense{});
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});
   const problem ps{1, 2, 2, 256, 300, 128};
   const block_layout layout = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
   check_gpu<Eigen::half>(cuda_kernel::flash, ps, layout::bhsd, block_sparse{layout, causal{}});
@@ -359,10 +360,12 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
 
 TEMPLATE_TEST_CASE("cuda flash with more work items than blocks (the Hopper kernel's persistent grid)",
                    "[gpu][flash][block_sparse]", Eigen::half, Eigen::bfloat16) {
-  // On a Hopper, head_dim 128 and 256 without a mask or with a block-sparse one run one block per SM, each walking
-  // work items (q-block, head) in turn: these shapes give 1–3 items a block, q-tails, GQA, items of a block-sparse
-  // layout with no listed block (O = 0, lse = −inf) between items with some, and masks that take one block per item.
-  const problem shapes[] = {{1, 96, 16, 260, 130, 128}, {1, 48, 8, 260, 100, 256}};
+  // On a Hopper, head_dim 128 and 256 run one block per SM, each walking work items (q-block, head) in turn (no
+  // mask, block-sparse: head by head; causal and window with at most 8 items a block: q-block first, dealt in a
+  // snake; hopper_schedule_for): these shapes give 1–3 items a block, q-tails, GQA, items of a block-sparse layout
+  // with no listed block (O = 0, lse = −inf) between items with some; the third has more than 8 items a block on
+  // 132 SMs (1200 items: dense 9 a block, causal and window one block per item).
+  const problem shapes[] = {{1, 96, 16, 260, 130, 128}, {1, 48, 8, 260, 100, 256}, {1, 600, 4, 129, 40, 128}};
   for (const problem& p : shapes) {
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
     const block_geometry g{p.seq_q, p.seq_kv, 128, 64, 1, p.heads};

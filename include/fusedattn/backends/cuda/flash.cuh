@@ -62,6 +62,10 @@ struct flash_params_t {
   /// and which problem dimension (1 seq, 2 head, 3 batch) each outer dimension of a map is (make_kv_map).
   CUtensorMap k_map{}, v_map{}, q_map{};
   int k_order[3] = {1, 2, 3}, v_order[3] = {1, 2, 3}, q_order[3] = {1, 2, 3};
+  /// Read by the warp-specialised Hopper kernel (hopper_schedule_for sets it): 0 orders the work items head by
+  /// head, 1 q-block first across all heads (every head's heaviest q-block, then the next ...), handed to the
+  /// blocks of the persistent grid in a snake.
+  int q_block_major = 0;
 };
 using flash_params = flash_params_t<band_mask>;
 

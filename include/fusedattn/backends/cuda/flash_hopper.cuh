@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   __syncthreads();
 
   // Work item x, in the order of flash_hopper_kernel's grid: the q-blocks of one (batch, head) together, heaviest
-  // (under a causal mask: the last) first; then heads, splits, batch.
+  // (under a causal mask: the last) first; then heads, splits, batch. Or (p.q_block_major) the last q-block of
+  // every head first, then the one before ...
   const int q_blocks = (p.seq_q + BM - 1) / BM;
   const int items = q_blocks * p.heads * p.splits * p.batch;
   struct item_t {
@@ -455,13 +456,25 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   };
   auto item_at = [&](int x) {
     item_t it;
-    it.m_block = q_blocks - 1 - x % q_blocks;
-    x /= q_blocks;
+    if (p.q_block_major) {
+      const int per_q_block = p.heads * p.splits * p.batch;
+      it.m_block = q_blocks - 1 - x / per_q_block;
+      x %= per_q_block;
+    } else {
+      it.m_block = q_blocks - 1 - x % q_blocks;
+      x /= q_blocks;
+    }
     it.h = x % p.heads;
     x /= p.heads;
     it.split = x % p.splits;
     it.b = x / p.splits;
     return it;
+  };
+  // The block's n-th item: blockIdx.x + n·gridDim.x; in q-block-major order a snake, the other way round every
+  // second round, so that the block handed the heaviest item of one round gets the lightest of the next.
+  auto item_index = [&](int n) {
+    const int g = static_cast<int>(gridDim.x), bx = static_cast<int>(blockIdx.x);
+    return n * g + (p.q_block_major && (n & 1) ? g - 1 - bx : bx);
   };
   // Buffers are used round robin: item n in Q buffer n % QB, the block's key tile kt in K and V buffer kt % 2; a
   // "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
@@ -476,8 +489,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
       for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
     };
-    int n = 0, kt = 0;
-    for (int x = blockIdx.x; x < items; x += gridDim.x, ++n) {
+    int kt = 0;
+    for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
       const item_t it = item_at(x);
       const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
       const Mask mask = head_mask(p.mask, it.b, it.h);
@@ -515,8 +528,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
   const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
   float acc[D / 8][4];
-  int n = 0, kt = 0;
-  for (int x = blockIdx.x; x < items; x += gridDim.x, ++n) {
+  int kt = 0;
+  for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
     const item_t it = item_at(x);
     const int q0 = it.m_block * BM;
     const int row0 = q0 + 16 * warp;
@@ -664,16 +677,29 @@ struct hopper_decode_tile<64> {
   using type = hopper_tile<64, 128, 1>;
 };
 
-/// Whether the warp-specialised kernel runs on a persistent grid (one block per SM walking the items) for this
-/// mask: yes where items cost about the same or vary at random (no mask, block-sparse), so the next item's loads
-/// overlap the current one; no under a causal or window band, whose q-blocks differ in cost in order — a static
-/// round robin leaves some SMs the long ones (measured on an H100: (1,16,16384,128) causal 339 against 479
-/// TFLOP/s), while one block per item lets the hardware hand out the next item as an SM frees. Split-KV calls
-/// (decode) always take one block per item (launch_flash_kernel).
-inline bool hopper_persistent(const band_mask& m) {
-  return m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded;
+/// How the warp-specialised kernel's work items (q-block, head, batch) reach its blocks. A persistent grid (one
+/// block per SM walking the items) overlaps the next item's loads with the current one's work; one block per item
+/// lets the hardware hand out the next item as an SM frees.
+/// - No mask, block-sparse: persistent, head by head (items cost about the same or vary at random).
+/// - Causal or window band, whose q-blocks' costs differ in order: a round robin head by head leaves some SMs the
+///   long items ((1,16,16384,128) causal on an H100: 339 against 479 TFLOP/s one block per item). Dealt q-block
+///   first across heads in a snake (flash_hopper_ws_kernel) they balance, and the persistent grid wins where a
+///   block has few items (at most hopper_banded_rounds); with more, one block per item (H200, f16/bf16 causal
+///   TFLOP/s, persistent against one block per item, docs/PERFORMANCE.md): 256 items (1,32,1024,128) 237 / 180;
+///   512 (1,32,2048,128) 392/400 / 318/323; 1024 (1,32,4096,128) 527 / 465; 2048: (2,16,8192,128) 472/535 /
+///   500/532, (1,16,16384,128) 509/518 / 535/544, (4,16,4096,256) 476/481 / 513/518.
+/// Split-KV calls (decode) always take one block per item (launch_flash_kernel).
+struct hopper_schedule {
+  bool persistent;
+  bool q_block_major;
+};
+inline constexpr int hopper_banded_rounds = 8;  ///< most items per block for a persistent causal or window call
+inline hopper_schedule hopper_schedule_for(const band_mask& m, index_t items, int multiprocessors) {
+  if (m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded) return {true, false};
+  if (items <= index_t(hopper_banded_rounds) * multiprocessors) return {true, true};
+  return {false, false};
 }
-inline bool hopper_persistent(const block_sparse_mask&) { return true; }
+inline hopper_schedule hopper_schedule_for(const block_sparse_mask&, index_t, int) { return {true, false}; }
 
 /// Launches the Hopper kernel of `Tile` (hopper_flash_ready must have said yes): flash_hopper_ws_kernel for a tile
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
@@ -688,10 +714,17 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
                    make_kv_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
                                p.v_stride, Tile::block_n);
   if constexpr (Tile::warp_specialized) {
+    int device = 0, multiprocessors = 0;  // (launch_flash_kernel reports a failure of these)
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      cudaGetLastError();
+    const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
+    const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
+    p.q_block_major = schedule.q_block_major;
     if (tma && make_kv_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
                            Tile::block_m))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
-                                          Tile::threads + 128, hopper_persistent(p.mask) ? 1 : one_block_per_item);
+                                          Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
   } else {
     if (tma) return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
   }
