@@ -18,7 +18,8 @@
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, decode 64) — warp-specialised: a producer
 ///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
-///     compute with no block barrier, items walked by a persistent grid (no mask, block-sparse) or one block each;
+///     compute with no block barrier, items walked by a persistent grid (no mask, block-sparse; causal and window
+///     with few items a block, dealt q-block first: hopper_schedule_for) or one block each;
 ///   flash_hopper_kernel (tiles of two blocks per SM: head_dim 64) — every warp computes, Q by cp.async, one block
 ///     barrier per key tile guards the buffers.
 #pragma once
