@@ -364,7 +364,7 @@ TEMPLATE_TEST_CASE("cuda flash with more work items than blocks (the Hopper kern
   // mask, block-sparse: head by head; causal and window with at most 8 items a block: q-block first, dealt in a
   // snake; hopper_schedule_for): these shapes give 1–3 items a block, q-tails, GQA, items of a block-sparse layout
   // with no listed block (O = 0, lse = −inf) between items with some; the third has more than 8 items a block on
-  // 132 SMs (1200 items: dense 9 a block, causal and window one block per item).
+  // 132 SMs (1200 items: dense 9–10 a block, causal and window one block per item).
   const problem shapes[] = {{1, 96, 16, 260, 130, 128}, {1, 48, 8, 260, 100, 256}, {1, 600, 4, 129, 40, 128}};
   for (const problem& p : shapes) {
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);

@@ -492,6 +492,14 @@ bool flash_aligned(const tensor_ref<T>& t) {
          t.stride.b % vec == 0;
 }
 
+/// The current device's number of multiprocessors (`count`), or the runtime's error.
+inline status device_multiprocessors(int& count) {
+  int device = 0;
+  if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
+  return from_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+                   "cudaDeviceGetAttribute(multiprocessors)");
+}
+
 /// launch_flash_kernel's `blocks_per_sm` for a 1-D grid of one block per work item.
 inline constexpr int one_block_per_item = 1 << 30;
 
@@ -509,12 +517,8 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
                             "cudaFuncSetAttribute(flash kernel)");
       !st)
     return st;
-  int device = 0, multiprocessors = 0;
-  if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
-  if (status st = from_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
-                            "cudaDeviceGetAttribute(multiprocessors)");
-      !st)
-    return st;
+  int multiprocessors = 0;
+  if (status st = device_multiprocessors(multiprocessors); !st) return st;
   const index_t q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m;
   // Splits cut one segment: band masks only.
   p.splits = std::is_same_v<Mask, band_mask>

@@ -715,10 +715,8 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
                    make_kv_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
                                p.v_stride, Tile::block_n);
   if constexpr (Tile::warp_specialized) {
-    int device = 0, multiprocessors = 0;  // (launch_flash_kernel reports a failure of these)
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      cudaGetLastError();
+    int multiprocessors = 0;
+    if (status st = device_multiprocessors(multiprocessors); !st) return st;
     const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
     const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
     p.q_block_major = schedule.q_block_major;
