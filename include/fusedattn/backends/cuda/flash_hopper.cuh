@@ -18,8 +18,8 @@
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, decode 64) — warp-specialised: a producer
 ///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
-///     compute with no block barrier, items walked by a persistent grid (no mask, block-sparse; causal and window
-///     with few items a block, dealt q-block first: hopper_schedule_for) or one block each;
+///     compute with no block barrier and write O by TMA, items walked by a persistent grid (no mask, block-sparse;
+///     causal and window with few items a block, dealt q-block first: hopper_schedule_for) or one block each;
 ///   flash_hopper_kernel (tiles of two blocks per SM: head_dim 64) — every warp computes, Q by cp.async, one block
 ///     barrier per key tile guards the buffers.
 #pragma once
@@ -211,7 +211,8 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&al
 /// The end of one q-block (b, h, split; rows from q0) in this warp: O = acc / l, lse = ln 2 · (m + log2 l); a row
 /// that saw no key gets O = 0, lse = −inf. A split writes its f32 part and lse straight to o_part / lse_part; else
 /// lse goes to p.lse and O, packed, into the staging tile `stage` (the q-block's Q tile, panel layout, `BM` rows),
-/// which the caller copies out as 16-byte chunks once every warp has staged its rows.
+/// which the caller copies out once every warp has staged its rows (store_rows, or a TMA store). 1/l is the
+/// approximate reciprocal (__fdividef, 2 ulp): O is rounded to 16 bits after it.
 template <class E, class Tile, class Mask>
 __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float (&acc)[Tile::head_dim / 8][4],
                                             const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
@@ -223,7 +224,7 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float inv_l = l > 0.f ? __fdividef(1.f, l) : 0.f;
     const int row = w.row0 + w.g + 8 * r;
     const float lse = l > 0.f ? (m_run[r] + log2f(l)) * ln2 : -INFINITY;
     if (p.splits > 1) {
@@ -411,16 +412,24 @@ struct hopper_ws_shared {
   std::uint64_t q_full[2], q_empty[2], k_full[2], k_empty[2], v_full[2], v_empty[2];
   int k0[2], seg_begin[2], seg_end[2], last[2];  ///< per K buffer
   int has_tiles[2];                               ///< per Q buffer: the item has at least one key tile
+  int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
 };
 
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
 /// block, blockIdx.x, blockIdx.x + gridDim.x, ... (a persistent grid of one block per SM, or one block per item) and
 /// their key tiles, and issues the TMA copies of Q (two buffers where they fit), K and V (two each) as soon as the
-/// consumers free a buffer ("empty" mbarriers): the next item's Q and first tiles load while the current one
-/// computes. Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence
-/// with no block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. The
-/// producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
+/// consumers free a buffer ("empty" mbarriers). With two Q buffers the next item's Q is issued once the current
+/// item's second key tile is (not after its last), so it has landed when the consumers turn to it; the producer
+/// writes the item's coordinates beside its Q, so the consumers do no index arithmetic between items.
+/// Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence with no
+/// block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. A warpgroup
+/// stages its O rows in its own rows of the item's Q buffer and one of its threads writes them with a TMA store
+/// (tensor map p.o_map; rows past seq_q are clipped by the copy), waiting only until the copy has read them before
+/// the buffer is freed. The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
+/// (H200, block-sparse 0.9 at (1,16,10000,128), one run: the early Q, the TMA store and the item from the producer
+/// took a warpgroup's time per item from 27 100–27 400 to 25 800 cycles, the call from 0.190–0.193 to
+/// 0.178–0.182 ms; docs/PERFORMANCE.md.)
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads + 128, 1)
     flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
@@ -490,6 +499,23 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
       for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
     };
+    // Item n's Q into buffer n % QB, once the consumers have freed it, with the item and whether it has a key tile
+    // (the loop below walks the item again for its tiles: a second item_at and first() on this one thread).
+    auto load_q = [&](int n) {
+      const int x = item_index(n);
+      if (x >= items) return;
+      const item_t it = item_at(x);
+      const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+      key_tiles<Mask, BN> tiles(head_mask(p.mask, it.b, it.h), q0, q1);
+      const int qb = n % QB;
+      mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
+      // Published by the arrival below (release): the consumers read the item from here.
+      ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
+      ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
+      tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
+    };
+    constexpr bool early_q = QB > 1;
+    if (early_q) load_q(0);
     int kt = 0;
     for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
       const item_t it = item_at(x);
@@ -497,11 +523,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       const Mask mask = head_mask(p.mask, it.b, it.h);
       key_tiles<Mask, BN> tiles(mask, q0, q1);
       const int k_first = tiles.first(it.split, p.splits);
-      const int qb = n % QB;
-      mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
-      ws.has_tiles[qb] = k_first >= 0;  // published by the arrival below (release)
-      tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
-      for (int k0 = k_first, k_next; k0 >= 0; k0 = k_next, ++kt) {
+      if (!early_q) load_q(n);
+      if (early_q && k_first < 0) load_q(n + 1);
+      for (int k0 = k_first, k_next, i = 0; k0 >= 0; k0 = k_next, ++kt, ++i) {
         const int stage = kt % 2, parity = ((kt / 2) & 1) ^ 1;
         const int seg_begin = tiles.seg_begin, seg_end = tiles.seg_end;  // the run of this tile
         k_next = tiles.next(k0);
@@ -513,6 +537,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
         mbarrier_wait(&ws.v_empty[stage], parity);
         tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
+        if (early_q && (i == 1 || (k_next < 0 && i == 0))) load_q(n + 1);
       }
     }
     return;
@@ -531,18 +556,19 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   float acc[D / 8][4];
   int kt = 0;
   for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
-    const item_t it = item_at(x);
-    const int q0 = it.m_block * BM;
-    const int row0 = q0 + 16 * warp;
-    const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
     const int qb = n % QB;
-    const band32 rule = element_rule(head_mask(p.mask, it.b, it.h));
     const std::uint64_t q_desc = desc_plus(q_desc0, qb * BM * D);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 #pragma unroll
     for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.f;
 
     mbarrier_wait(&ws.q_full[qb], (n / QB) & 1);
+    // The item, as the producer wrote it beside its Q (item_at's divisions stay off this path).
+    const item_t it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
+    const int q0 = it.m_block * BM;
+    const int row0 = q0 + 16 * warp;
+    const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
+    const band32 rule = element_rule(head_mask(p.mask, it.b, it.h));
     if (ws.has_tiles[qb]) {
       std::uint32_t pk[BN / 8][2];  // P of tile kt − 1, whose P·V is next
       mbarrier_wait(&ws.k_full[kt % 2], (kt / 2) & 1);
@@ -595,11 +621,18 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     // written by the warpgroup; then the buffer is freed for the item after next.
     E* stage = sq + qb * BM * D;
     finish_rows<E, Tile>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage);
+    fence_proxy_async();  // the staged rows (generic proxy) precede the TMA store's reads, the Q reads its next write
     if (p.splits == 1) {
       named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
-      store_rows<E, Tile>(p, stage, it.b, it.h, q0, 64 * wg, 64 * wg + 64, ct % 128, 128);
+      if (ct % 128 == 0) {
+        int at[3];
+        for (int i = 0; i < 3; ++i) at[i] = p.o_order[i] == 1 ? q0 + 64 * wg : p.o_order[i] == 2 ? it.h : it.b;
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) tma_store_4d(&p.o_map, stage + c * BM * 64 + wg * 64 * 64, c * 64, at[0], at[1], at[2]);
+        bulk_commit();
+        bulk_wait_read<0>();
+      }
     }
-    fence_proxy_async();  // these generic-proxy accesses of the Q buffer precede the next TMA write into it
     release(&ws.q_empty[qb]);
   }
 #else
@@ -721,7 +754,8 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
     const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
     p.q_block_major = schedule.q_block_major;
     if (tma && make_kv_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
-                           Tile::block_m))
+                           Tile::block_m) &&
+        make_kv_map(p.o_map, p.o_order, p.o, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.o_stride, 64))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
                                           Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
   } else {

@@ -1,8 +1,8 @@
 /// @file tma.cuh
-/// Hopper's tensor memory accelerator for the K and V tiles of flash_hopper.cuh: a tensor map per operand (made on
-/// the host through the driver's cuTensorMapEncodeTiled, reached via the runtime's entry-point query, so nothing
-/// links libcuda), the tile copy cp.async.bulk.tensor that one thread issues, and the shared-memory mbarrier it
-/// completes. Thin wrappers only; the device functions compile to nothing useful outside sm_90a (callers guard with
+/// Hopper's tensor memory accelerator for the tiles of flash_hopper.cuh: a tensor map per operand (made on the host
+/// through the driver's cuTensorMapEncodeTiled, reached via the runtime's entry-point query, so nothing links
+/// libcuda), the tile copies cp.async.bulk.tensor that one thread issues (loads of Q, K and V completing on a
+/// shared-memory mbarrier; stores of O as a bulk group), and the mbarrier itself. Thin wrappers only; the device functions compile to nothing useful outside sm_90a (callers guard with
 /// FUSEDATTN_WGMMA_COMPILED).
 #pragma once
 
@@ -74,6 +74,32 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
 #endif
 }
 
+/// Copies `smem` to the box at element coordinates (c0, c1, c2, c3) of `map` (elements outside the tensor are not
+/// written), as a bulk group of this thread; commit with bulk_commit, wait for its reads with bulk_wait_read.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3) {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(smem_address(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#else
+  (void)map, (void)smem, (void)c0, (void)c1, (void)c2, (void)c3;
+#endif
+}
+/// Closes this thread's bulk group of tma_store_4d copies.
+__device__ __forceinline__ void bulk_commit() {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+/// Waits until at most `Pending` of this thread's bulk groups still read their shared-memory source.
+template <int Pending>
+__device__ __forceinline__ void bulk_wait_read() {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+#endif
+}
+
 /// Gives this warpgroup `Regs` registers a thread (setmaxnreg; every thread of the warpgroup executes it): a
 /// producer warpgroup hands registers back, the consumers take them. Needs __launch_bounds__ with min blocks.
 template <int Regs>
@@ -93,10 +119,10 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-/// The tensor map of a K or V operand for tiles of `rows` keys × 64 columns in 128-byte swizzled atoms (the panel
-/// layout of flash_hopper.cuh): dims (head_dim, seq, heads, batch), the outer three ordered by stride so that any
-/// layout with 16-byte multiple strides has a valid map; `order[i]` is the problem dimension (1 seq, 2 head,
-/// 3 batch) of map dimension i + 1, for the kernel's coordinates. Keys past `seq` read as zeros. False when the
+/// The tensor map of a Q, K, V or O operand for tiles of `rows` rows × 64 columns in 128-byte swizzled atoms (the
+/// panel layout of flash_hopper.cuh): dims (head_dim, seq, heads, batch), the outer three ordered by stride so that
+/// any layout with 16-byte multiple strides has a valid map; `order[i]` is the problem dimension (1 seq, 2 head,
+/// 3 batch) of map dimension i + 1, for the kernel's coordinates. Rows past `seq` read as zeros and are not written. False when the
 /// driver has no cuTensorMapEncodeTiled or refuses the operand (the kernel then copies with cp.async).
 inline bool make_kv_map(CUtensorMap& map, int (&order)[3], const void* base, bool bf16, index_t head_dim, index_t seq,
                         index_t heads, index_t batch, const strides4& stride, int rows) {
