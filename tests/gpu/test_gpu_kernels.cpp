@@ -191,6 +191,18 @@ TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
 }
 
+// Strides with gaps after every row, head and batch, all multiples of 16 bytes, so flash (and on a Hopper its TMA
+// copies of Q, K, V and its TMA stores of O) takes them: the gaps of O must stay as they were.
+TEMPLATE_TEST_CASE("cuda flash on padded 16-byte strides leaves the gaps of O alone", "[gpu][flash]", Eigen::half,
+                   Eigen::bfloat16) {
+  const problem shapes[] = {{2, 3, 3, 127, 127, 64}, {1, 2, 1, 257, 191, 128}, {2, 4, 2, 129, 300, 128},
+                            {1, 4, 2, 65, 200, 256}, {1, 270, 2, 3, 40, 128}};
+  for (const problem& p : shapes)
+    for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::padded16, m);
+  for (const any_mask& m : all_masks())
+    check_gpu<TestType>(cuda_kernel::flash_mma_sync, problem{1, 2, 1, 257, 191, 128}, layout::padded16, m);
+}
+
 TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
   const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
   const problem p32{1, 2, 1, 130, 70, 32}, p96{1, 2, 2, 70, 131, 96}, p256{1, 2, 1, 70, 131, 256},
@@ -199,6 +211,7 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p128, layout::bshd, m);
+    check_gpu<Eigen::half>(cuda_kernel::flash, p128, layout::padded16, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p32, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p96, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);

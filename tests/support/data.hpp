@@ -23,13 +23,15 @@ inline std::uint64_t fresh_seed() {
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
 
-enum class layout { bhsd, bshd, padded };
+enum class layout { bhsd, bshd, padded, padded16 };
 inline const char* layout_name(layout l) {
-  return l == layout::bhsd ? "bhsd" : l == layout::bshd ? "bshd" : "padded";
+  return l == layout::bhsd ? "bhsd" : l == layout::bshd ? "bshd" : l == layout::padded ? "padded" : "padded16";
 }
 
 /// Owns the memory of one operand and views it in the requested layout. `padded` inserts gaps after every
-/// row and every head, so strides are not the contiguous ones.
+/// row and every head, so strides are not the contiguous ones; `padded16` does the same with gaps of 8, 16 and 24
+/// elements, so every stride stays a multiple of 8 elements (16 bytes of a 16-bit type: what the CUDA flash
+/// kernels and their TMA copies take).
 template <class T>
 struct operand {
   std::vector<T> buf;
@@ -47,6 +49,12 @@ struct operand {
         break;
       case layout::padded: {
         const strides4 st{(d.h * (d.s * (d.d + 3) + 5)) + 7, d.s * (d.d + 3) + 5, d.d + 3, 1};
+        buf.resize(static_cast<std::size_t>(d.b * st.b));
+        view = strided(buf.data(), d, st);
+        break;
+      }
+      case layout::padded16: {
+        const strides4 st{(d.h * (d.s * (d.d + 8) + 16)) + 24, d.s * (d.d + 8) + 16, d.d + 8, 1};
         buf.resize(static_cast<std::size_t>(d.b * st.b));
         view = strided(buf.data(), d, st);
         break;
