@@ -107,9 +107,8 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                                   int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                                   static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     if (!portable && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && hopper_flash_ready(stream)) {
-      if constexpr (std::is_same_v<Mask, band_mask>)  // split-KV (decode) is band-only
-        if (p.head_dim == 64 && p.seq_q <= hopper_decode_tile<64>::type::block_m)
-          return launch_flash_hopper<E, typename hopper_decode_tile<64>::type>(fp, stream);
+      if (p.head_dim == 64 && hopper_takes_whole_rows(mask, p.seq_q))
+        return launch_flash_hopper<E, typename hopper_whole_row_tile<64>::type>(fp, stream);
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
       if (p.head_dim == 128) return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
       // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a

@@ -699,17 +699,27 @@ struct hopper_default_tile<256> {
   using type = hopper_tile<256, 64, 1>;
 };
 
-/// The Hopper tile for decode-like calls (one q-block per head: split-KV, memory-bound): head_dim 64 streams
-/// 128-key tiles with one block per multiprocessor (H200, (4,16,1,16384,64) bf16: 0.21 ms against 0.32 ms with the
-/// default 64-key tile); head_dim 128 keeps its default.
+/// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows): head_dim 64
+/// streams 128-key tiles with one block per multiprocessor, warp-specialised; head_dim 128 and 256 keep their
+/// default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against 0.32 ms with the default 64-key tile; no mask,
+/// f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session): (4,32,4096,64) 405–416 / 408–444 against
+/// 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal mask it lost 5–10 % (324–342 against
+/// 351–367): the q-blocks' rows differ in length, and two blocks per SM balance them better.
 template <int HeadDim>
-struct hopper_decode_tile {
+struct hopper_whole_row_tile {
   using type = typename hopper_default_tile<HeadDim>::type;
 };
 template <>
-struct hopper_decode_tile<64> {
+struct hopper_whole_row_tile<64> {
   using type = hopper_tile<64, 128, 1>;
 };
+/// True when every q-block of the call sees every key: a band without limits (no mask), or one q-block per head
+/// (decode-like calls, which split the keys). Block-sparse calls keep the default tile.
+inline bool hopper_takes_whole_rows(const band_mask& m, index_t seq_q) {
+  return (m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded) ||
+         seq_q <= hopper_whole_row_tile<64>::type::block_m;
+}
+inline bool hopper_takes_whole_rows(const block_sparse_mask&, index_t) { return false; }
 
 /// How the warp-specialised kernel's work items (q-block, head, batch) reach its blocks. A persistent grid (one
 /// block per SM walking the items) overlaps the next item's loads with the current one's work; one block per item
