@@ -60,7 +60,7 @@ struct flash_params_t {
   float* lse_part;
   /// Read by the Hopper kernel only (its TMA copies; launch_flash_hopper fills them): the tensor maps of K and V
   /// (the warp-specialised kernel's also of Q, and of O for its stores), and which problem dimension (1 seq,
-  /// 2 head, 3 batch) each outer dimension of a map is (make_kv_map).
+  /// 2 head, 3 batch) each outer dimension of a map is (make_tile_map).
   CUtensorMap k_map{}, v_map{}, q_map{}, o_map{};
   int k_order[3] = {1, 2, 3}, v_order[3] = {1, 2, 3}, q_order[3] = {1, 2, 3}, o_order[3] = {1, 2, 3};
   /// Read by the warp-specialised Hopper kernel (hopper_schedule_for sets it): 0 orders the work items head by

@@ -628,7 +628,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         int at[3];
         for (int i = 0; i < 3; ++i) at[i] = p.o_order[i] == 1 ? q0 + 64 * wg : p.o_order[i] == 2 ? it.h : it.b;
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) tma_store_4d(&p.o_map, stage + c * BM * 64 + wg * 64 * 64, c * 64, at[0], at[1], at[2]);
+        for (int c = 0; c < D / 64; ++c)
+          tma_store_4d(&p.o_map, stage + c * BM * 64 + wg * 64 * 64, c * 64, at[0], at[1], at[2]);
         bulk_commit();
         bulk_wait_read<0>();
       }
@@ -753,9 +754,9 @@ template <class E, class Tile, class Mask>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
   const index_t heads_kv = p.heads / p.group;
-  const bool tma = make_kv_map(p.k_map, p.k_order, p.k, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
+  const bool tma = make_tile_map(p.k_map, p.k_order, p.k, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
                                p.k_stride, Tile::block_n) &&
-                   make_kv_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
+                   make_tile_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
                                p.v_stride, Tile::block_n);
   if constexpr (Tile::warp_specialized) {
     int multiprocessors = 0;
@@ -763,9 +764,9 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
     const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
     const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
     p.q_block_major = schedule.q_block_major;
-    if (tma && make_kv_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
+    if (tma && make_tile_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
                            Tile::block_m) &&
-        make_kv_map(p.o_map, p.o_order, p.o, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.o_stride, 64))
+        make_tile_map(p.o_map, p.o_order, p.o, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.o_stride, 64))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
                                           Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
   } else {

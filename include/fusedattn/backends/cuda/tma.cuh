@@ -2,8 +2,8 @@
 /// Hopper's tensor memory accelerator for the tiles of flash_hopper.cuh: a tensor map per operand (made on the host
 /// through the driver's cuTensorMapEncodeTiled, reached via the runtime's entry-point query, so nothing links
 /// libcuda), the tile copies cp.async.bulk.tensor that one thread issues (loads of Q, K and V completing on a
-/// shared-memory mbarrier; stores of O as a bulk group), and the mbarrier itself. Thin wrappers only; the device functions compile to nothing useful outside sm_90a (callers guard with
-/// FUSEDATTN_WGMMA_COMPILED).
+/// shared-memory mbarrier; stores of O as a bulk group), and the mbarrier itself. Thin wrappers only; the device
+/// functions compile to nothing useful outside sm_90a (callers guard with FUSEDATTN_WGMMA_COMPILED).
 #pragma once
 
 #include <algorithm>
@@ -122,9 +122,10 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 /// The tensor map of a Q, K, V or O operand for tiles of `rows` rows × 64 columns in 128-byte swizzled atoms (the
 /// panel layout of flash_hopper.cuh): dims (head_dim, seq, heads, batch), the outer three ordered by stride so that
 /// any layout with 16-byte multiple strides has a valid map; `order[i]` is the problem dimension (1 seq, 2 head,
-/// 3 batch) of map dimension i + 1, for the kernel's coordinates. Rows past `seq` read as zeros and are not written. False when the
-/// driver has no cuTensorMapEncodeTiled or refuses the operand (the kernel then copies with cp.async).
-inline bool make_kv_map(CUtensorMap& map, int (&order)[3], const void* base, bool bf16, index_t head_dim, index_t seq,
+/// 3 batch) of map dimension i + 1, for the kernel's coordinates. Rows past `seq` read as zeros and are not
+/// written. False when the driver has no cuTensorMapEncodeTiled or refuses the operand (the call then runs the
+/// portable kernel).
+inline bool make_tile_map(CUtensorMap& map, int (&order)[3], const void* base, bool bf16, index_t head_dim, index_t seq,
                         index_t heads, index_t batch, const strides4& stride, int rows) {
   using encode_t = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
