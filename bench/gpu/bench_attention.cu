@@ -261,9 +261,12 @@ void flash_suite(const shape& c) {
     if (c.d == 128) {
       time_tile<T, cb::hopper_tile<128, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
       time_tile<T, cb::hopper_tile<128, 64, 2>, true>(c, x, "wg2 n64 b2 (hopper)");
+      time_tile<T, cb::hopper_tile<128, 64, 1, 3>, true>(c, x, "wg3 n64 b1 (hopper)");
     } else if (c.d == 64) {
       time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
       time_tile<T, cb::hopper_tile<64, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
+      time_tile<T, cb::hopper_tile<64, 128, 1, 3>, true>(c, x, "wg3 n128 b1 (hopper)");
+      time_tile<T, cb::hopper_tile<64, 64, 1, 3>, true>(c, x, "wg3 n64 b1 (hopper)");
     } else if (c.d == 256) {  // 128-key tiles do not fit in shared memory; one warpgroup (64 rows) is the other choice
       time_tile<T, cb::hopper_tile<256, 64, 1, 1>, true>(c, x, "wg1 n64 b1 (hopper)");
     }

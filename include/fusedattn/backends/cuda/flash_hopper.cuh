@@ -416,6 +416,13 @@ struct hopper_ws_shared {
   int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
 };
 
+/// Registers a consumer thread of flash_hopper_ws_kernel takes (setmaxnreg) beside a producer warpgroup of 24:
+/// what is left of the 64K, in steps of 8, at most 240.
+template <int ConsumerWarpgroups>
+inline constexpr int hopper_consumer_registers =
+    (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8 < 240 ? (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8
+                                                                  : 240;
+
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
 /// block, blockIdx.x, blockIdx.x + gridDim.x, ... (a persistent grid of one block per SM, or one block per item) and
@@ -491,7 +498,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   // "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: thread 0 issues every copy, the others leave
-    if constexpr (Tile::warpgroups == 2) warpgroup_registers_dec<24>();  // 24·128 + 240·256 ≤ 64K registers
+    if constexpr (Tile::warpgroups > 1) warpgroup_registers_dec<24>();  // the consumers take the rest
     if (threadIdx.x != 0) return;
     auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int row, int head, int batch, int rows,
                         std::uint64_t* bar) {
@@ -545,7 +552,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   }
 
   // ---- the consumer warpgroups
-  if constexpr (Tile::warpgroups == 2) warpgroup_registers_inc<240>();  // (one consumer warpgroup: 255 already)
+  // 24·128 + 240·256 ≤ 64K registers (two consumer warpgroups), 24·128 + 160·384 (three); one has 255 already.
+  if constexpr (Tile::warpgroups > 1) warpgroup_registers_inc<hopper_consumer_registers<Tile::warpgroups>>();
   const int ct = threadIdx.x - 128;  // consumer thread
   const int warp = ct / 32, lane = ct % 32, wg = warp / 4;
   // This thread is done reading a buffer: every consumer thread arrives (an arrival by lane 0 only, predicated on
