@@ -25,6 +25,7 @@
 ///     cp.async, one block barrier per key tile guards the buffers.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -44,8 +45,8 @@ namespace fusedattn {
 namespace cuda_backend {
 
 /// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
-/// one and three exist for the bench's sweeps), `BlockN` keys per tile, two K and two V buffers. `MinBlocks` blocks per
-/// multiprocessor bound the registers (__launch_bounds__) and pick the kernel (warp_specialized).
+/// one and three exist for the bench's sweeps), `BlockN` keys per tile, two K and two V buffers. `MinBlocks` blocks
+/// per multiprocessor bound the registers (__launch_bounds__) and pick the kernel (warp_specialized).
 template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
@@ -419,9 +420,7 @@ struct hopper_ws_shared {
 /// Registers a consumer thread of flash_hopper_ws_kernel takes (setmaxnreg) beside a producer warpgroup of 24:
 /// what is left of the 64K, in steps of 8, at most 240.
 template <int ConsumerWarpgroups>
-inline constexpr int hopper_consumer_registers =
-    (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8 < 240 ? (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8
-                                                                  : 240;
+inline constexpr int hopper_consumer_registers = std::min(240, (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8);
 
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
