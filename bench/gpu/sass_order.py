@@ -14,8 +14,8 @@ Used in the seventh session to see where ptxas puts the wait for P_{j-1}·V_{j-1
 import struct
 import sys
 
-CLASSES = {0x1F0: "HGMMA", 0x1C5: "WG", 0x108: "MUFU", 0x189: "SHFL", 0x1A7: "SYNCS", 0x147: "BRA", 0x03E: "F2FP",
-           0x11D: "BAR", 0x188: "STS", 0x020: "FMUL"}
+CLASSES = {0x1F0: "HGMMA", 0x1C5: "WG", 0x108: "MUFU", 0x189: "SHFL", 0x1A7: "SYNCS", 0x03E: "F2FP", 0x11D: "BAR",
+           0x188: "STS", 0x020: "FMUL"}
 
 
 def sections(path):
@@ -38,7 +38,7 @@ def runs(code):
         cls = CLASSES.get(word & 0x1FF)
         if cls == "WG":  # warpgroup.arrive and wgmma.wait_group share the opcode; bit 47 marks the wait
             cls = "DEPBAR" if word >> 47 & 1 else "ARRIVE"
-        if cls is None or cls == "BRA":
+        if cls is None:
             continue
         if out and out[-1][1] == cls:
             out[-1][2] += 1

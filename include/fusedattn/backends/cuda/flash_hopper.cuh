@@ -417,10 +417,12 @@ struct hopper_ws_shared {
   int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
 };
 
-/// Registers a consumer thread of flash_hopper_ws_kernel takes (setmaxnreg) beside a producer warpgroup of 24:
-/// what is left of the 64K, in steps of 8, at most 240.
+/// Registers a thread of flash_hopper_ws_kernel keeps after setmaxnreg: the producer warpgroup gives back all but
+/// hopper_producer_registers, and each consumer thread takes what is left of the 64K, in steps of 8, at most 240.
+inline constexpr int hopper_producer_registers = 24;
 template <int ConsumerWarpgroups>
-inline constexpr int hopper_consumer_registers = std::min(240, (65536 - 24 * 128) / (128 * ConsumerWarpgroups) / 8 * 8);
+inline constexpr int hopper_consumer_registers =
+    std::min(240, (65536 - hopper_producer_registers * 128) / (128 * ConsumerWarpgroups) / 8 * 8);
 
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
@@ -497,7 +499,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   // "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: thread 0 issues every copy, the others leave
-    if constexpr (Tile::warpgroups > 1) warpgroup_registers_dec<24>();  // the consumers take the rest
+    if constexpr (Tile::warpgroups > 1) warpgroup_registers_dec<hopper_producer_registers>();
     if (threadIdx.x != 0) return;
     auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int row, int head, int batch, int rows,
                         std::uint64_t* bar) {
