@@ -2,6 +2,7 @@
 // tiles; the naive three-pass pipeline; block-sparse against dense flash; split-KV decode)
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
+// "flash" the flash shapes only, "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep),
 // "profile" one call each for a profiler. Shapes: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>
 #include <cmath>
@@ -414,14 +415,19 @@ void block_sparse_suite(int h, int s, double sparsity) {
               queued, dense_queued_ms, device_queued_ms, dense_queued_ms / device_queued_ms, mma_sync_ms);
 }
 
-/// One call each of dense flash (2,16,8192,128) f16 and block-sparse flash (1,16,10000,128) on a device layout, for
-/// a profiler (bench_gpu OUT.jsonl profile).
+/// One call each of f16 flash (2,16,8192,128) dense, (4,32,4096,64) dense and causal, and block-sparse flash
+/// (1,16,10000,128) on a device layout, for a profiler (bench_gpu OUT.jsonl profile).
 void profile_calls() {
   using T = Eigen::half;
-  const shape c{2, 16, 8192, 128, false};
-  operands<T> x(c, 1);
   const fa::policy::cuda pol{nullptr, fa::policy::cuda_kernel::flash};
-  if (!fa::attend(pol, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]), x.out(), fa::dense{}, x.lse)) std::exit(1);
+  for (const shape& c : {shape{2, 16, 8192, 128, false}, shape{4, 32, 4096, 64, false}, shape{4, 32, 4096, 64, true}}) {
+    operands<T> x(c, 1);
+    const bool ok = c.causal ? bool(fa::attend(pol, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]), x.out(),
+                                               fa::causal{}, x.lse))
+                             : bool(fa::attend(pol, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]), x.out(),
+                                               fa::dense{}, x.lse));
+    if (!ok) std::exit(1);
+  }
   const shape cs{1, 16, 10000, 128, false};
   operands<T> xs(cs, 1);
   const fa::block_layout layout = fa::random_layout(fa::block_geometry{10000, 10000, 128, 512, 1, 16}, 0.9, 42);
@@ -442,6 +448,26 @@ int main(int argc, char** argv) {
     profile_calls();
     return 0;
   }
+#if FUSEDATTN_BENCH_TILE_SWEEP
+  if (argc > 2 && std::string(argv[2]) == "d64") {  // unmasked head_dim 64: two, three and four warpgroups, by seq
+    for (const shape& c : {shape{8, 32, 512, 64, false}, shape{8, 32, 1024, 64, false}, shape{4, 32, 2048, 64, false},
+                           shape{4, 32, 4096, 64, false}, shape{2, 32, 8192, 64, false}})
+      for (int dtype = 0; dtype < 2; ++dtype) {
+        const auto rounds = [&](auto t) {
+          using T = decltype(t);
+          operands<T> x(c, sets_for(c, 2));
+          for (int round = 0; round < 2; ++round) {  // alternated, so neither is always timed first
+            time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
+            time_tile<T, cb::hopper_tile<64, 128, 1, 3>, true>(c, x, "wg3 n128 b1 (hopper)");
+            time_tile<T, cb::hopper_tile<64, 64, 1, 4>, true>(c, x, "wg4 n64 b1 (hopper)");
+          }
+        };
+        if (dtype == 0) rounds(Eigen::half{});
+        else rounds(Eigen::bfloat16{});
+      }
+    return 0;
+  }
+#endif
   if (argc > 2 && std::string(argv[2]) == "sparse") {  // the block-sparse suite only
     block_sparse_suite(16, 4096, 0.9);
     block_sparse_suite(16, 10000, 0.9);
@@ -461,6 +487,7 @@ int main(int argc, char** argv) {
     flash_suite<Eigen::half>(c);
     flash_suite<Eigen::bfloat16>(c);
   }
+  if (argc > 2 && std::string(argv[2]) == "flash") return 0;  // the flash shapes only (A/B of a kernel change)
   for (int s : {128, 512, 1024, 4096}) {
     fusion_suite<Eigen::half>({1, 32, s, 128, false});
     fusion_suite<Eigen::half>({1, 32, s, 128, true});

@@ -182,6 +182,18 @@ TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]"
   }
 }
 
+// Unmasked head_dim 64 calls with at least two rounds of work items (hopper_takes_unmasked_tile): on a Hopper
+// three consumer warpgroups of 64 rows (192-row blocks) that take turns on the tensor cores. 288–352 items, so the
+// persistent grid's blocks walk two or three items each (the turns go on from item to item); tails of the 192-row
+// block (2049 = 10·192 + 129, 400, 200) and of the 128-key tile (300, 333, 33 keys), GQA, MQA-like groups, padded
+// strides.
+TEMPLATE_TEST_CASE("cuda flash without a mask at head_dim 64 and many work items matches the float64 oracle",
+                   "[gpu][flash]", Eigen::half, Eigen::bfloat16) {
+  const problem shapes[] = {{1, 32, 4, 2049, 300, 64}, {8, 12, 3, 400, 333, 64}, {3, 48, 16, 200, 33, 64}};
+  const layout layouts[] = {layout::bshd, layout::bhsd, layout::padded16};
+  for (int i = 0; i < 3; ++i) check_gpu<TestType>(cuda_kernel::flash, shapes[i], layouts[i], dense{});
+}
+
 TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the float64 oracle", "[gpu][flash][decode]",
                    Eigen::half, Eigen::bfloat16) {
   const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {2, 2, 2, 3, 2999, 64}, {1, 8, 2, 16, 1500, 128},
@@ -222,6 +234,8 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
   }
   // More work items than blocks: on a Hopper the persistent grid (132 blocks) walks 3 items in most blocks, so both
   // Q buffers and the K/V buffers are reused across items (dense head by head, causal q-block first in a snake).
+  // Unmasked head_dim 64 with 396 work items: on a Hopper three warpgroups taking turns, three items a block.
+  check_gpu<Eigen::half>(cuda_kernel::flash, problem{1, 132, 2, 385, 40, 64}, layout::bshd, dense{});
   const problem many{1, 270, 2, 3, 40, 128};
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, dense{});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});

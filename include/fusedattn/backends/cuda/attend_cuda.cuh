@@ -107,6 +107,12 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                                   int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                                   static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     if (!portable && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && hopper_flash_ready(stream)) {
+      if (p.head_dim == 64) {
+        int multiprocessors = 0;
+        if (status st = device_multiprocessors(multiprocessors); !st) return st;
+        if (hopper_takes_unmasked_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors))
+          return launch_flash_hopper<E, typename hopper_unmasked_tile<64>::type>(fp, stream);
+      }
       if (p.head_dim == 64 && hopper_takes_whole_rows(mask, p.seq_q))
         return launch_flash_hopper<E, typename hopper_whole_row_tile<64>::type>(fp, stream);
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);

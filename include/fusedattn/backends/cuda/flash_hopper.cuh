@@ -4,8 +4,8 @@
 /// mma.sync kernel of flash.cuh, whose parameters (flash_params_t) and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
-/// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows,
-/// each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh). Per key tile j of block_n keys, each
+/// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows
+/// (three and 192 rows in hopper_unmasked_tile), each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh). Per key tile j of block_n keys, each
 /// warpgroup runs
 ///   S_j = Q·K_jᵀ              (wgmma, Q and K_j from shared memory)          — issued, asynchronous
 ///   O  += P_{j-1}·V_{j-1}      (wgmma, P from registers, V_{j-1} from shared) — issued, asynchronous
@@ -17,7 +17,8 @@
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, and 64 where every q-block sees every
-///     key — no mask, decode: hopper_whole_row_tile) — warp-specialised: a producer warpgroup issues every copy (Q
+///     key — no mask, decode: hopper_whole_row_tile, hopper_unmasked_tile, whose three consumer warpgroups take
+///     turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
 ///     too) into buffers that "empty" mbarriers hand back, the consumer warpgroups compute with no block barrier
 ///     and write O by TMA, items walked by a persistent grid (no mask, block-sparse; causal and window with few
 ///     items a block, dealt q-block first: hopper_schedule_for) or one block each;
@@ -62,6 +63,10 @@ struct hopper_tile {
   /// ones, which take the registers it gives back); several: flash_hopper_kernel (every warp computes, the register
   /// file shared by the blocks).
   static constexpr bool warp_specialized = MinBlocks == 1;
+  /// flash_hopper_ws_kernel's consumer warpgroups take turns on the tensor cores (each issues its products once the
+  /// one before it has finished its own). Measured on an H200 (docs/PERFORMANCE.md, eighth session): with three
+  /// warpgroups it gains, with two it loses 2–9 %, so only tiles of three or more take turns.
+  static constexpr bool take_turns = Warpgroups > 2;
   /// flash_hopper_kernel's shared memory: Q, two K and two V tiles, slack to align the start to an atom, and four
   /// mbarriers (TMA copies).
   static constexpr int smem_bytes = (block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 64;
@@ -417,12 +422,21 @@ struct hopper_ws_shared {
   int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
 };
 
-/// Registers a thread of flash_hopper_ws_kernel keeps after setmaxnreg: the producer warpgroup gives back all but
-/// hopper_producer_registers, and each consumer thread takes what is left of the 64K, in steps of 8, at most 240.
+/// Registers a thread of flash_hopper_ws_kernel keeps after setmaxnreg. The block holds what its threads were
+/// launched with — 64K shared out evenly, in steps of 8 (168 a thread for two consumer warpgroups, 128 for three,
+/// 96 for four) — and setmaxnreg only moves registers within it (an increase past it waits forever): the producer
+/// warpgroup gives back all but hopper_producer_registers, and each consumer thread takes an equal share of the
+/// rest, in steps of 8, at most 240.
 inline constexpr int hopper_producer_registers = 24;
 template <int ConsumerWarpgroups>
+inline constexpr int hopper_launch_registers = 65536 / (128 * (ConsumerWarpgroups + 1)) / 8 * 8;
+template <int ConsumerWarpgroups>
 inline constexpr int hopper_consumer_registers =
-    std::min(240, (65536 - hopper_producer_registers * 128) / (128 * ConsumerWarpgroups) / 8 * 8);
+    std::min(240, (hopper_launch_registers<ConsumerWarpgroups> * 128 * (ConsumerWarpgroups + 1) -
+                   hopper_producer_registers * 128) /
+                      (128 * ConsumerWarpgroups) / 8 * 8);
+static_assert(hopper_consumer_registers<2> == 240 && hopper_consumer_registers<3> == 160 &&
+              hopper_consumer_registers<4> == 112);
 
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
@@ -553,13 +567,26 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   }
 
   // ---- the consumer warpgroups
-  // 24·128 + 240·256 ≤ 64K registers (two consumer warpgroups), 24·128 + 160·384 (three); one has 255 already.
+  // hopper_consumer_registers: 240 a thread for two consumer warpgroups, 160 for three, 112 for four; one has 255.
   if constexpr (Tile::warpgroups > 1) warpgroup_registers_inc<hopper_consumer_registers<Tile::warpgroups>>();
   const int ct = threadIdx.x - 128;  // consumer thread
   const int warp = ct / 32, lane = ct % 32, wg = warp / 4;
   // This thread is done reading a buffer: every consumer thread arrives (an arrival by lane 0 only, predicated on
   // the lane, made ptxas serialise the wgmma: note C7513).
   auto release = [&](std::uint64_t* bar) { mbarrier_arrive(bar); };
+  // Turns on the tensor cores (hopper_tile::take_turns): warpgroup wg issues its wgmma once warpgroup wg − 1 (cyclically)
+  // has finished its own, so one warpgroup's softmax runs while the next one's products do. Barrier 8 + wg (1 + wg
+  // is the O store's): this warpgroup's 128 threads wait there for the 128 of the one before it to arrive.
+  static_assert(Tile::warpgroups <= 7, "named barriers 1..7 stage O, 8..15 pass the turns");
+  constexpr bool turns = Tile::take_turns;
+  constexpr int turn_threads = 256;
+  auto wait_turn = [&] {
+    if constexpr (turns) named_barrier(8 + wg, turn_threads);
+  };
+  auto pass_turn = [&] {
+    if constexpr (turns) named_barrier_arrive(8 + (wg + 1) % Tile::warpgroups, turn_threads);
+  };
+  if (wg == Tile::warpgroups - 1) pass_turn();  // warpgroup 0 goes first
   const std::uint64_t q_desc0 = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
   const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
   const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
@@ -588,9 +615,11 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         const int k0 = ws.k0[kt % 2], tile_begin = ws.seg_begin[kt % 2], tile_end = ws.seg_end[kt % 2];
         float s[BN / 8][4];
         float alpha[2];
+        wait_turn();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, (kt % 2) * BN * D));
         wgmma_wait<0>();
         fence_operands(s);
+        pass_turn();
         release(&ws.k_empty[kt % 2]);
         tile_softmax<E, BN, band>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
       }
@@ -603,16 +632,28 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         float s[BN / 8][4];
         std::uint32_t pk_next[BN / 8][2];
         float alpha[2];
+        wait_turn();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, stage * BN * D));
         issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, (stage ^ 1) * BN * D));
-        wgmma_wait<1>();
-        fence_operands(s);
-        release(&ws.k_empty[stage]);
-        tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
-        wgmma_wait<0>();
-        fence_operands(acc);
-        fence_fragments(pk);
-        release(&ws.v_empty[stage ^ 1]);
+        if constexpr (turns) {  // both products done before the softmax: the turn passes when the tensor cores free
+          wgmma_wait<0>();
+          fence_operands(s);
+          fence_operands(acc);
+          fence_fragments(pk);
+          pass_turn();
+          release(&ws.k_empty[stage]);
+          release(&ws.v_empty[stage ^ 1]);
+          tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+        } else {
+          wgmma_wait<1>();
+          fence_operands(s);
+          release(&ws.k_empty[stage]);
+          tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+          wgmma_wait<0>();
+          fence_operands(acc);
+          fence_fragments(pk);
+          release(&ws.v_empty[stage ^ 1]);
+        }
         rescale<D>(acc, alpha);
 #pragma unroll
         for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
@@ -620,10 +661,12 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       // The last tile's P·V.
       const int v_stage = (kt - 1) % 2;
       mbarrier_wait(&ws.v_full[v_stage], ((kt - 1) / 2) & 1);
+      wait_turn();
       issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, v_stage * BN * D));
       wgmma_wait<0>();
       fence_operands(acc);
       fence_fragments(pk);
+      pass_turn();
       release(&ws.v_empty[v_stage]);
     }
 
@@ -646,6 +689,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     }
     release(&ws.q_empty[qb]);
   }
+  if (wg == 0) wait_turn();  // the last warpgroup's last pass (no barrier is left with arrivals pending)
 #else
   (void)p;
 #endif
@@ -710,9 +754,9 @@ struct hopper_default_tile<256> {
   using type = hopper_tile<256, 64, 1>;
 };
 
-/// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows): head_dim 64
-/// streams 128-key tiles with one block per multiprocessor, warp-specialised; head_dim 128 and 256 keep their
-/// default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against 0.32 ms with the default 64-key tile; no mask,
+/// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do
+/// not take hopper_unmasked_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
+/// warp-specialised; head_dim 128 and 256 keep their default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against 0.32 ms with the default 64-key tile; no mask,
 /// f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session): (4,32,4096,64) 405–416 / 408–444 against
 /// 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal mask it lost 5–10 % (324–342 against
 /// 351–367): the q-blocks' rows differ in length, and two blocks per SM balance them better.
@@ -731,6 +775,37 @@ inline bool hopper_takes_whole_rows(const band_mask& m, index_t seq_q) {
          seq_q <= hopper_whole_row_tile<64>::type::block_m;
 }
 inline bool hopper_takes_whole_rows(const block_sparse_mask&, index_t) { return false; }
+
+/// The Hopper tile for unmasked head_dim 64 calls with many work items (hopper_takes_unmasked_tile): three consumer
+/// warpgroups (192-row blocks) that take turns on the tensor cores (hopper_tile::take_turns), 128-key tiles. At
+/// head_dim 64 a warpgroup's softmax of a tile takes about as long as its two products, and the two warpgroups of
+/// hopper_whole_row_tile run both in step (ncu, H200, (4,32,4096,64): tensor pipe 48 %, exponential unit 50 %
+/// busy); with three taking turns, one warpgroup's products run while the other two exponentiate (54 % / 56 %).
+/// H200, f16/bf16 TFLOP/s, three against two warpgroups in alternated rounds (docs/PERFORMANCE.md, eighth
+/// session): (8,32,512,64) 298–304 / 283–284; (8,32,1024,64) 382–384 / 367–372; (4,32,2048,64) 429–449 / 390–413;
+/// (4,32,4096,64) 418–464 / 414–432; (2,32,8192,64) 443–477 / 427–442; but (1,32,512,64), 96 items on 132
+/// multiprocessors, 117–126 against 131–135: fewer, larger items leave SMs idle.
+template <int HeadDim>
+struct hopper_unmasked_tile {
+  using type = typename hopper_whole_row_tile<HeadDim>::type;
+};
+template <>
+struct hopper_unmasked_tile<64> {
+  using type = hopper_tile<64, 128, 1, 3>;
+};
+/// Fewest rounds of hopper_unmasked_tile's work items over the multiprocessors for it to be taken.
+inline constexpr int hopper_unmasked_min_rounds = 2;
+/// True for a call without a mask (and not decode-like) whose work items in hopper_unmasked_tile<64>'s blocks fill
+/// at least hopper_unmasked_min_rounds rounds of the device's multiprocessors.
+inline bool hopper_takes_unmasked_tile(const band_mask& m, index_t batch, index_t heads, index_t seq_q,
+                                       int multiprocessors) {
+  using tile = hopper_unmasked_tile<64>::type;
+  const index_t items = (seq_q + tile::block_m - 1) / tile::block_m * heads * batch;
+  return m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded &&
+         seq_q > hopper_whole_row_tile<64>::type::block_m &&
+         items >= index_t(hopper_unmasked_min_rounds) * multiprocessors;
+}
+inline bool hopper_takes_unmasked_tile(const block_sparse_mask&, index_t, index_t, index_t, int) { return false; }
 
 /// How the warp-specialised kernel's work items (q-block, head, batch) reach its blocks. A persistent grid (one
 /// block per SM walking the items) overlaps the next item's loads with the current one's work; one block per item

@@ -118,6 +118,10 @@ __device__ __forceinline__ void warpgroup_registers_inc() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+/// Arrives at barrier `id` without waiting: counts towards the `threads` that a named_barrier(id, threads) waits for.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 /// The tensor map of a Q, K, V or O operand for tiles of `rows` rows × 64 columns in 128-byte swizzled atoms (the
 /// panel layout of flash_hopper.cuh): dims (head_dim, seq, heads, batch), the outer three ordered by stride so that
