@@ -5,8 +5,8 @@
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
 /// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows
-/// (three and 192 rows in hopper_unmasked_tile), each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh). Per key tile j of block_n keys, each
-/// warpgroup runs
+/// (three and 192 rows in hopper_unmasked_tile), each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh).
+/// Per key tile j of block_n keys, each warpgroup runs
 ///   S_j = Q·K_jᵀ              (wgmma, Q and K_j from shared memory)          — issued, asynchronous
 ///   O  += P_{j-1}·V_{j-1}      (wgmma, P from registers, V_{j-1} from shared) — issued, asynchronous
 ///   mask S_j; m_j = max(m_{j-1}, rowmax(scale·S_j)); P_j = exp(scale·S_j − m_j); l = l·α + rowsum(P_j)
@@ -17,8 +17,8 @@
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, and 64 where every q-block sees every
-///     key — no mask, decode: hopper_whole_row_tile, hopper_unmasked_tile, whose three consumer warpgroups take
-///     turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
+///     key — no mask, decode: hopper_whole_row_tile, and hopper_unmasked_tile, whose three consumer warpgroups
+///     take turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
 ///     too) into buffers that "empty" mbarriers hand back, the consumer warpgroups compute with no block barrier
 ///     and write O by TMA, items walked by a persistent grid (no mask, block-sparse; causal and window with few
 ///     items a block, dealt q-block first: hopper_schedule_for) or one block each;
@@ -574,9 +574,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   // This thread is done reading a buffer: every consumer thread arrives (an arrival by lane 0 only, predicated on
   // the lane, made ptxas serialise the wgmma: note C7513).
   auto release = [&](std::uint64_t* bar) { mbarrier_arrive(bar); };
-  // Turns on the tensor cores (hopper_tile::take_turns): warpgroup wg issues its wgmma once warpgroup wg − 1 (cyclically)
-  // has finished its own, so one warpgroup's softmax runs while the next one's products do. Barrier 8 + wg (1 + wg
-  // is the O store's): this warpgroup's 128 threads wait there for the 128 of the one before it to arrive.
+  // Turns on the tensor cores (hopper_tile::take_turns): warpgroup wg issues its wgmma once warpgroup wg − 1
+  // (cyclically) has finished its own, so one warpgroup's softmax runs while the next one's products do. Barrier
+  // 8 + wg (1 + wg is the O store's): this warpgroup's 128 threads wait there for the 128 of the one before it.
   static_assert(Tile::warpgroups <= 7, "named barriers 1..7 stage O, 8..15 pass the turns");
   constexpr bool turns = Tile::take_turns;
   constexpr int turn_threads = 256;
@@ -754,12 +754,13 @@ struct hopper_default_tile<256> {
   using type = hopper_tile<256, 64, 1>;
 };
 
-/// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do
-/// not take hopper_unmasked_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
-/// warp-specialised; head_dim 128 and 256 keep their default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against 0.32 ms with the default 64-key tile; no mask,
-/// f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session): (4,32,4096,64) 405–416 / 408–444 against
-/// 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal mask it lost 5–10 % (324–342 against
-/// 351–367): the q-blocks' rows differ in length, and two blocks per SM balance them better.
+/// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do not
+/// take hopper_unmasked_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
+/// warp-specialised; head_dim 128 and 256 keep their default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against
+/// 0.32 ms with the default 64-key tile; no mask, f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session):
+/// (4,32,4096,64) 405–416 / 408–444 against 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal
+/// mask it lost 5–10 % (324–342 against 351–367): the q-blocks' rows differ in length, and two blocks per SM balance
+/// them better.
 template <int HeadDim>
 struct hopper_whole_row_tile {
   using type = typename hopper_default_tile<HeadDim>::type;
@@ -784,7 +785,7 @@ inline bool hopper_takes_whole_rows(const block_sparse_mask&, index_t) { return 
 /// H200, f16/bf16 TFLOP/s, three against two warpgroups in alternated rounds (docs/PERFORMANCE.md, eighth
 /// session): (8,32,512,64) 298–304 / 283–284; (8,32,1024,64) 382–384 / 367–372; (4,32,2048,64) 429–449 / 390–413;
 /// (4,32,4096,64) 418–464 / 414–432; (2,32,8192,64) 443–477 / 427–442; but (1,32,512,64), 96 items on 132
-/// multiprocessors, 117–126 against 131–135: fewer, larger items leave SMs idle.
+/// multiprocessors, 110–126 against 119–135: fewer, larger items leave SMs idle.
 template <int HeadDim>
 struct hopper_unmasked_tile {
   using type = typename hopper_whole_row_tile<HeadDim>::type;
@@ -793,7 +794,8 @@ template <>
 struct hopper_unmasked_tile<64> {
   using type = hopper_tile<64, 128, 1, 3>;
 };
-/// Fewest rounds of hopper_unmasked_tile's work items over the multiprocessors for it to be taken.
+/// Fewest rounds of hopper_unmasked_tile's work items over the multiprocessors for it to be taken (with at least
+/// two rounds flash_splits never splits the keys, so the tile has no split-KV path to serve).
 inline constexpr int hopper_unmasked_min_rounds = 2;
 /// True for a call without a mask (and not decode-like) whose work items in hopper_unmasked_tile<64>'s blocks fill
 /// at least hopper_unmasked_min_rounds rounds of the device's multiprocessors.
