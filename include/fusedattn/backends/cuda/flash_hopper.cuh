@@ -46,8 +46,9 @@ namespace fusedattn {
 namespace cuda_backend {
 
 /// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
-/// one and three exist for the bench's sweeps), `BlockN` keys per tile, two K and two V buffers. `MinBlocks` blocks
-/// per multiprocessor bound the registers (__launch_bounds__) and pick the kernel (warp_specialized).
+/// three in hopper_unmasked_tile; one and four exist for the bench's sweeps), `BlockN` keys per tile, two K and two
+/// V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__) and pick the kernel
+/// (warp_specialized).
 template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
