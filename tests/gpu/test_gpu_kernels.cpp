@@ -232,10 +232,10 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);
     check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
   }
-  // More work items than blocks: on a Hopper the persistent grid (132 blocks) walks 3 items in most blocks, so both
-  // Q buffers and the K/V buffers are reused across items (dense head by head, causal q-block first in a snake).
   // Unmasked head_dim 64 with 396 work items: on a Hopper three warpgroups taking turns, three items a block.
   check_gpu<Eigen::half>(cuda_kernel::flash, problem{1, 132, 2, 385, 40, 64}, layout::bshd, dense{});
+  // More work items than blocks: on a Hopper the persistent grid (132 blocks) walks 3 items in most blocks, so both
+  // Q buffers and the K/V buffers are reused across items (dense head by head, causal q-block first in a snake).
   const problem many{1, 270, 2, 3, 40, 128};
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, dense{});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});
