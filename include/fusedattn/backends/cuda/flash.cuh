@@ -35,6 +35,7 @@
 #include "head_mask.cuh"
 #include "error.cuh"
 #include "mma.cuh"
+#include "scratch.cuh"
 
 namespace fusedattn {
 namespace cuda_backend {
@@ -529,16 +530,19 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
   p.o_part = p.lse_part = nullptr;
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
   if (p.splits > 1) {
-    if (status st = from_cuda(cudaMallocAsync(&p.o_part, sizeof(float) * p.splits * rows * Tile::head_dim, stream),
-                              "cudaMallocAsync(split-KV parts of O)");
+    void *o_part = nullptr, *lse_part = nullptr;
+    if (status st = scratch_allocate(o_part, sizeof(float) * p.splits * rows * Tile::head_dim, stream,
+                                     "cudaMallocFromPoolAsync(split-KV parts of O)");
         !st)
       return st;
-    if (status st = from_cuda(cudaMallocAsync(&p.lse_part, sizeof(float) * p.splits * rows, stream),
-                              "cudaMallocAsync(split-KV parts of lse)");
+    if (status st = scratch_allocate(lse_part, sizeof(float) * p.splits * rows, stream,
+                                     "cudaMallocFromPoolAsync(split-KV parts of lse)");
         !st) {
-      cudaFreeAsync(p.o_part, stream);
+      cudaFreeAsync(o_part, stream);
       return st;
     }
+    p.o_part = static_cast<float*>(o_part);
+    p.lse_part = static_cast<float*>(lse_part);
   }
   const index_t items = q_blocks * p.heads * p.batch * p.splits;  // work items (q-block, head, batch, split)
   if (blocks_per_sm > 0 && p.splits > 1) blocks_per_sm = one_block_per_item;

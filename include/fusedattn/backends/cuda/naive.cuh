@@ -22,6 +22,7 @@
 #include "device_types.cuh"
 #include "head_mask.cuh"
 #include "error.cuh"
+#include "scratch.cuh"
 
 namespace fusedattn {
 namespace cuda_backend {
@@ -127,7 +128,7 @@ inline status cublas_handle(cublasHandle_t& out) {
   return {};
 }
 
-/// Stream-ordered scratch buffers, freed (in stream order) when it goes out of scope.
+/// Stream-ordered scratch buffers from scratch_pool, freed (in stream order) when it goes out of scope.
 class scratch_arena {
  public:
   explicit scratch_arena(cudaStream_t stream) : stream_(stream) {}
@@ -139,12 +140,9 @@ class scratch_arena {
   template <class X>
   status allocate(X*& out, index_t count, const char* what) {
     void* ptr = nullptr;
-    const cudaError_t e = cudaMallocAsync(&ptr, std::size_t(count) * sizeof(X), stream_);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      return {errc::out_of_memory, std::string("naive CUDA pipeline: cannot allocate ") + what + " (" +
-                                       std::to_string(count * index_t(sizeof(X))) + " bytes): " + cudaGetErrorString(e)};
-    }
+    if (status st = scratch_allocate(ptr, std::size_t(count) * sizeof(X), stream_, "cudaMallocFromPoolAsync"); !st)
+      return {st.code(), std::string("naive CUDA pipeline: cannot allocate ") + what + " (" +
+                             std::to_string(count * index_t(sizeof(X))) + " bytes): " + st.what()};
     blocks_.push_back(ptr);
     out = static_cast<X*>(ptr);
     return {};
