@@ -2,8 +2,10 @@
 // tiles; the naive three-pass pipeline; block-sparse against dense flash; split-KV decode)
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
-// "flash" the flash shapes only, "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep),
-// "profile" one call each for a profiler. Shapes: docs/PERFORMANCE.md, CUDA section.
+// "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
+// "d64" two, three and four warpgroups on unmasked head_dim 64 and "late" P packed at once or late (PackLate) on
+// each head_dim (both with the tile sweep), "profile" one call each for a profiler. Shapes: docs/PERFORMANCE.md, CUDA
+// section.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -289,9 +291,10 @@ void fusion_suite(const shape& c) {
   time_attend<T>(c, x, fa::policy::cuda_kernel::naive, "naive 3-pass");
 }
 
-/// Decode: s_q = 1 against a long key cache (split-KV path), flash beside naive; memory-bound, so GB/s of K and V.
+/// Decode: s_q = 1 against a long key cache (split-KV path), flash beside naive (unless `naive` is false);
+/// memory-bound, so GB/s of K and V.
 template <class T>
-void decode_suite(int b, int h, int s_kv, int d) {
+void decode_suite(int b, int h, int s_kv, int d, bool naive = true) {
   using E = cb::device_t<T>;
   const fa::problem p{b, h, h, 1, s_kv, d};
   const fa::index_t n_q = fa::index_t(b) * h * d, n_kv = fa::index_t(b) * h * s_kv * d;
@@ -308,6 +311,7 @@ void decode_suite(int b, int h, int s_kv, int d) {
   const auto vv = fa::bhsd(reinterpret_cast<const T*>(v), p.kv_dims());
   const auto ov = fa::bhsd(reinterpret_cast<T*>(o), p.o_dims());
   for (auto kernel : {fa::policy::cuda_kernel::flash, fa::policy::cuda_kernel::flash_mma_sync, fa::policy::cuda_kernel::naive}) {
+    if (kernel == fa::policy::cuda_kernel::naive && !naive) continue;
     const char* name = kernel == fa::policy::cuda_kernel::flash            ? "flash"
                        : kernel == fa::policy::cuda_kernel::flash_mma_sync ? "flash mma.sync"
                                                                            : "naive";
@@ -404,6 +408,10 @@ void block_sparse_suite(int h, int s, double sparsity) {
     };
     sparse_tile(cb::hopper_tile<128, 64, 2>{}, "wg2 n64 b2");
     sparse_tile(cb::hopper_tile<128, 64, 1>{}, "wg2 n64 b1");
+    for (int round = 0; round < 2; ++round) {
+      sparse_tile(cb::hopper_tile<128, 128, 1>{}, "wg2 n128 b1");
+      sparse_tile(cb::hopper_tile<128, 128, 1, 2, true>{}, "wg2 n128 b1 late");
+    }
   }
 #endif
   std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks, ideal %.2fx): dense flash "
@@ -467,7 +475,46 @@ int main(int argc, char** argv) {
       }
     return 0;
   }
+  if (argc > 2 && std::string(argv[2]) == "late") {  // P packed at once or after the P·V before it (PackLate)
+    const auto rounds = [&](const shape& c, auto t) {
+      using T = decltype(t);
+      operands<T> x(c, sets_for(c, 2));
+      for (int round = 0; round < 2; ++round) {  // alternated, so none is always timed first
+        if (c.d == 64) {
+          time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
+          time_tile<T, cb::hopper_tile<64, 128, 1, 2, true>, true>(c, x, "wg2 n128 b1 late (hopper)");
+        } else if (c.d == 128) {
+          time_tile<T, cb::hopper_tile<128, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
+          time_tile<T, cb::hopper_tile<128, 128, 1, 2, true>, true>(c, x, "wg2 n128 b1 late (hopper)");
+          time_tile<T, cb::hopper_tile<128, 192, 1>, true>(c, x, "wg2 n192 b1 (hopper)");
+        } else {
+          time_tile<T, cb::hopper_tile<256, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
+          time_tile<T, cb::hopper_tile<256, 64, 1, 2, true>, true>(c, x, "wg2 n64 b1 late (hopper)");
+        }
+      }
+    };
+    for (const shape& c : {shape{1, 32, 1024, 128, false}, shape{1, 32, 4096, 128, false}, shape{2, 16, 8192, 128, false},
+                           shape{1, 16, 16384, 128, false}, shape{1, 32, 4096, 128, true}, shape{2, 16, 8192, 128, true},
+                           shape{1, 16, 16384, 128, true}, shape{1, 32, 512, 64, false}, shape{1, 1, 4096, 64, false},
+                           shape{4, 16, 4096, 256, false}, shape{4, 16, 4096, 256, true}}) {
+      rounds(c, Eigen::half{});
+      rounds(c, Eigen::bfloat16{});
+    }
+    return 0;
+  }
 #endif
+  if (argc > 2 && std::string(argv[2]) == "decode") {  // split-KV calls only: decode shapes and one head of 4096 rows
+    decode_suite<Eigen::half>(1, 32, 32768, 128, false);
+    decode_suite<Eigen::half>(8, 32, 8192, 128, false);
+    decode_suite<Eigen::bfloat16>(4, 16, 16384, 64, false);
+    decode_suite<Eigen::half>(1, 8, 65536, 128, false);
+    decode_suite<Eigen::half>(2, 32, 16384, 128, false);
+    decode_suite<Eigen::half>(4, 32, 4096, 128, false);
+    decode_suite<Eigen::bfloat16>(1, 32, 8192, 64, false);
+    flash_suite<Eigen::half>({1, 1, 4096, 64, false});
+    flash_suite<Eigen::bfloat16>({1, 1, 4096, 64, false});
+    return 0;
+  }
   if (argc > 2 && std::string(argv[2]) == "sparse") {  // the block-sparse suite only
     block_sparse_suite(16, 4096, 0.9);
     block_sparse_suite(16, 10000, 0.9);

@@ -48,8 +48,11 @@ namespace cuda_backend {
 /// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
 /// three in hopper_unmasked_tile; one and four exist for the bench's sweeps), `BlockN` keys per tile, two K and two
 /// V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__) and pick the kernel
-/// (warp_specialized).
-template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
+/// (warp_specialized). `PackLate` (flash_hopper_ws_kernel only): a tile's P stays in f32 in its score registers until
+/// the P·V before it has finished, and is packed to 16 bits then, into the registers that P·V read; without it, P is
+/// packed at once into a second set (two tiles of packed P live together). Key tiles wider than 128 need it (their
+/// registers do not fit otherwise).
+template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2, bool PackLate = (BlockN > 128)>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int warpgroups = Warpgroups;
@@ -76,7 +79,12 @@ struct hopper_tile {
   static constexpr int q_buffers = (2 * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256 <= 227 * 1024 ? 2 : 1;
   static constexpr int ws_smem_bytes = (q_buffers * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256;
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
-  static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
+  static constexpr bool pack_late = PackLate;
+  static_assert(BlockN == 64 || BlockN == 128 || ((BlockN == 160 || BlockN == 176 || BlockN == 192) && PackLate &&
+                                                  MinBlocks == 1 && Warpgroups == 2 && HeadDim == 128),
+                "key tiles: 64 or 128; 160, 176 or 192 for head_dim 128 in the two-warpgroup warp-specialised kernel "
+                "with PackLate");
+  static_assert(!PackLate || (MinBlocks == 1 && Warpgroups <= 2), "PackLate: warp-specialised kernel, no turns");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a tile of `Rows` rows stored as 64-column panels of 128-byte
@@ -162,9 +170,9 @@ struct softmax_rows {
 
 /// Mask, online softmax and packing of one score tile S (keys [k0, k0 + BN)): the per-element mask only on tiles
 /// that need it (`rule`; a block-sparse tile past its run [tile_begin, tile_end) also masks by that range);
-/// m_run, l_run advance; P goes to `pk` (16-bit pairs: the A fragment of P·V); alpha[r] is the factor O must be
-/// rescaled by before this tile's P·V is added.
-template <class E, int BN, bool Band>
+/// m_run, l_run advance; P goes to `pk` (16-bit pairs: the A fragment of P·V), or with `Pack` false stays in `s` in
+/// f32 (pack_p packs it later); alpha[r] is the factor O must be rescaled by before this tile's P·V is added.
+template <class E, int BN, bool Band, bool Pack = true>
 __device__ __forceinline__ void tile_softmax(float (&s)[BN / 8][4], std::uint32_t (&pk)[BN / 8][2], float (&alpha)[2],
                                              float (&m_run)[2], float (&l_run)[2], const band32& rule,
                                              const softmax_rows& w, int k0, int tile_begin, int tile_end) {
@@ -198,10 +206,24 @@ __device__ __forceinline__ void tile_softmax(float (&s)[BN / 8][4], std::uint32_
       const float p0 = fast_exp2(fmaf(s[n][2 * r], w.scale_log2, -m_use));
       const float p1 = fast_exp2(fmaf(s[n][2 * r + 1], w.scale_log2, -m_use));
       sum += p0 + p1;
-      pk[n][r] = mma_type<E>::pack(p0, p1);
+      if constexpr (Pack) {
+        pk[n][r] = mma_type<E>::pack(p0, p1);
+      } else {
+        s[n][2 * r] = p0;
+        s[n][2 * r + 1] = p1;
+      }
     }
     l_run[r] = l_run[r] * alpha[r] + sum;
   }
+}
+
+/// P, left in f32 by tile_softmax<..., false>, packed to 16-bit pairs: the A fragment of P·V.
+template <class E, int BN>
+__device__ __forceinline__ void pack_p(const float (&s)[BN / 8][4], std::uint32_t (&pk)[BN / 8][2]) {
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
 }
 
 /// O *= alpha, row by row (after the P·V that O holds has completed).
@@ -645,6 +667,16 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           release(&ws.k_empty[stage]);
           release(&ws.v_empty[stage ^ 1]);
           tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+        } else if constexpr (Tile::pack_late) {  // P_j packed into pk once P_{j-1}·V_{j-1} no longer reads it
+          wgmma_wait<1>();
+          fence_operands(s);
+          release(&ws.k_empty[stage]);
+          tile_softmax<E, BN, band, false>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+          wgmma_wait<0>();
+          fence_operands(acc);
+          fence_fragments(pk);
+          release(&ws.v_empty[stage ^ 1]);
+          pack_p<E, BN>(s, pk);
         } else {
           wgmma_wait<1>();
           fence_operands(s);
@@ -656,8 +688,10 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           release(&ws.v_empty[stage ^ 1]);
         }
         rescale<D>(acc, alpha);
+        if constexpr (!Tile::pack_late) {
 #pragma unroll
-        for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
+          for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
+        }
       }
       // The last tile's P·V.
       const int v_stage = (kt - 1) % 2;
