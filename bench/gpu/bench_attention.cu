@@ -3,9 +3,8 @@
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
 // "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
-// "d64" two, three and four warpgroups on unmasked head_dim 64 and "late" P packed at once or late (PackLate) on
-// each head_dim (both with the tile sweep), "profile" one call each for a profiler. Shapes: docs/PERFORMANCE.md, CUDA
-// section.
+// "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep), "profile" one call each for a
+// profiler. Shapes: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -408,10 +407,6 @@ void block_sparse_suite(int h, int s, double sparsity) {
     };
     sparse_tile(cb::hopper_tile<128, 64, 2>{}, "wg2 n64 b2");
     sparse_tile(cb::hopper_tile<128, 64, 1>{}, "wg2 n64 b1");
-    for (int round = 0; round < 2; ++round) {
-      sparse_tile(cb::hopper_tile<128, 128, 1>{}, "wg2 n128 b1");
-      sparse_tile(cb::hopper_tile<128, 128, 1, 2, true>{}, "wg2 n128 b1 late");
-    }
   }
 #endif
   std::printf("f16   block-sparse (1,%d,%d,128) sparsity %.2f (active %.3f, 128x512 blocks, ideal %.2fx): dense flash "
@@ -473,33 +468,6 @@ int main(int argc, char** argv) {
         if (dtype == 0) rounds(Eigen::half{});
         else rounds(Eigen::bfloat16{});
       }
-    return 0;
-  }
-  if (argc > 2 && std::string(argv[2]) == "late") {  // P packed at once or after the P·V before it (PackLate)
-    const auto rounds = [&](const shape& c, auto t) {
-      using T = decltype(t);
-      operands<T> x(c, sets_for(c, 2));
-      for (int round = 0; round < 2; ++round) {  // alternated, so none is always timed first
-        if (c.d == 64) {
-          time_tile<T, cb::hopper_tile<64, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
-          time_tile<T, cb::hopper_tile<64, 128, 1, 2, true>, true>(c, x, "wg2 n128 b1 late (hopper)");
-        } else if (c.d == 128) {
-          time_tile<T, cb::hopper_tile<128, 128, 1>, true>(c, x, "wg2 n128 b1 (hopper)");
-          time_tile<T, cb::hopper_tile<128, 128, 1, 2, true>, true>(c, x, "wg2 n128 b1 late (hopper)");
-          time_tile<T, cb::hopper_tile<128, 192, 1>, true>(c, x, "wg2 n192 b1 (hopper)");
-        } else {
-          time_tile<T, cb::hopper_tile<256, 64, 1>, true>(c, x, "wg2 n64 b1 (hopper)");
-          time_tile<T, cb::hopper_tile<256, 64, 1, 2, true>, true>(c, x, "wg2 n64 b1 late (hopper)");
-        }
-      }
-    };
-    for (const shape& c : {shape{1, 32, 1024, 128, false}, shape{1, 32, 4096, 128, false}, shape{2, 16, 8192, 128, false},
-                           shape{1, 16, 16384, 128, false}, shape{1, 32, 4096, 128, true}, shape{2, 16, 8192, 128, true},
-                           shape{1, 16, 16384, 128, true}, shape{1, 32, 512, 64, false}, shape{1, 1, 4096, 64, false},
-                           shape{4, 16, 4096, 256, false}, shape{4, 16, 4096, 256, true}}) {
-      rounds(c, Eigen::half{});
-      rounds(c, Eigen::bfloat16{});
-    }
     return 0;
   }
 #endif

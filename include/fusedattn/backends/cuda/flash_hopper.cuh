@@ -48,11 +48,8 @@ namespace cuda_backend {
 /// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
 /// three in hopper_unmasked_tile; one and four exist for the bench's sweeps), `BlockN` keys per tile, two K and two
 /// V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__) and pick the kernel
-/// (warp_specialized). `PackLate` (flash_hopper_ws_kernel only): a tile's P stays in f32 in its score registers until
-/// the P·V before it has finished, and is packed to 16 bits then, into the registers that P·V read; without it, P is
-/// packed at once into a second set (two tiles of packed P live together). Key tiles wider than 128 need it (their
-/// registers do not fit otherwise).
-template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2, bool PackLate = (BlockN > 128)>
+/// (warp_specialized).
+template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
 struct hopper_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int warpgroups = Warpgroups;
@@ -79,12 +76,7 @@ struct hopper_tile {
   static constexpr int q_buffers = (2 * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256 <= 227 * 1024 ? 2 : 1;
   static constexpr int ws_smem_bytes = (q_buffers * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256;
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
-  static constexpr bool pack_late = PackLate;
-  static_assert(BlockN == 64 || BlockN == 128 || ((BlockN == 160 || BlockN == 176 || BlockN == 192) && PackLate &&
-                                                  MinBlocks == 1 && Warpgroups == 2 && HeadDim == 128),
-                "key tiles: 64 or 128; 160, 176 or 192 for head_dim 128 in the two-warpgroup warp-specialised kernel "
-                "with PackLate");
-  static_assert(!PackLate || (MinBlocks == 1 && Warpgroups <= 2), "PackLate: warp-specialised kernel, no turns");
+  static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a tile of `Rows` rows stored as 64-column panels of 128-byte
@@ -653,7 +645,6 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         const int k0 = ws.k0[stage], tile_begin = ws.seg_begin[stage], tile_end = ws.seg_end[stage];
         last = ws.last[stage];
         float s[BN / 8][4];
-        std::uint32_t pk_next[BN / 8][2];
         float alpha[2];
         wait_turn();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, stage * BN * D));
@@ -666,8 +657,14 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           pass_turn();
           release(&ws.k_empty[stage]);
           release(&ws.v_empty[stage ^ 1]);
+          // Into pk_next, then copied: packing straight into pk (free here) changes ptxas's schedule of this
+          // measured kernel (its sm_90a code is byte-identical to the eighth session's this way).
+          std::uint32_t pk_next[BN / 8][2];
           tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
-        } else if constexpr (Tile::pack_late) {  // P_j packed into pk once P_{j-1}·V_{j-1} no longer reads it
+#pragma unroll
+          for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
+        } else {  // S_j's exponentials under P_{j-1}·V_{j-1}; P_j, in f32 meanwhile, is packed into pk once that
+                  // product has finished (FlashAttention-3's order: one set of P registers, not two)
           wgmma_wait<1>();
           fence_operands(s);
           release(&ws.k_empty[stage]);
@@ -677,21 +674,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           fence_fragments(pk);
           release(&ws.v_empty[stage ^ 1]);
           pack_p<E, BN>(s, pk);
-        } else {
-          wgmma_wait<1>();
-          fence_operands(s);
-          release(&ws.k_empty[stage]);
-          tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
-          wgmma_wait<0>();
-          fence_operands(acc);
-          fence_fragments(pk);
-          release(&ws.v_empty[stage ^ 1]);
         }
         rescale<D>(acc, alpha);
-        if constexpr (!Tile::pack_late) {
-#pragma unroll
-          for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
-        }
       }
       // The last tile's P·V.
       const int v_stage = (kt - 1) % 2;

@@ -1,6 +1,6 @@
 /// @file wgmma.cuh
 /// Hopper's warpgroup tensor-core primitives (sm_90a only): shared-memory matrix descriptors for 128-byte swizzled
-/// tiles, wgmma.mma_async m64nNk16 (N = 64 to 192, f16/bf16 in, f32 accumulators) with A from shared memory or from
+/// tiles, wgmma.mma_async m64nNk16 (N = 64 or 128, f16/bf16 in, f32 accumulators) with A from shared memory or from
 /// registers, its fence / commit / wait, and the proxy fence that makes cp.async data visible to it.
 /// Thin PTX wrappers only; the kernel that uses them is flash_hopper.cuh. Every function here compiles to nothing
 /// useful on other targets: callers guard their bodies with FUSEDATTN_WGMMA_COMPILED.
@@ -85,24 +85,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
   FUSEDATTN_WGMMA_ACC32(d), FUSEDATTN_WGMMA_ACC4(d, 8), FUSEDATTN_WGMMA_ACC4(d, 9), FUSEDATTN_WGMMA_ACC4(d, 10),   \
       FUSEDATTN_WGMMA_ACC4(d, 11), FUSEDATTN_WGMMA_ACC4(d, 12), FUSEDATTN_WGMMA_ACC4(d, 13),                       \
       FUSEDATTN_WGMMA_ACC4(d, 14), FUSEDATTN_WGMMA_ACC4(d, 15)
-#define FUSEDATTN_WGMMA_ACC80(d)                                                                        \
-  FUSEDATTN_WGMMA_ACC64(d), FUSEDATTN_WGMMA_ACC4(d, 16), FUSEDATTN_WGMMA_ACC4(d, 17), FUSEDATTN_WGMMA_ACC4(d, 18), \
-      FUSEDATTN_WGMMA_ACC4(d, 19)
-#define FUSEDATTN_WGMMA_ACC88(d) FUSEDATTN_WGMMA_ACC80(d), FUSEDATTN_WGMMA_ACC4(d, 20), FUSEDATTN_WGMMA_ACC4(d, 21)
-#define FUSEDATTN_WGMMA_ACC96(d) FUSEDATTN_WGMMA_ACC88(d), FUSEDATTN_WGMMA_ACC4(d, 22), FUSEDATTN_WGMMA_ACC4(d, 23)
-// The accumulator register lists "%0, ..., %(n − 1)" of wgmma's D operand, as string pieces.
-#define FUSEDATTN_WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define FUSEDATTN_WGMMA_R64 FUSEDATTN_WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define FUSEDATTN_WGMMA_R80 FUSEDATTN_WGMMA_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
-#define FUSEDATTN_WGMMA_R88 FUSEDATTN_WGMMA_R80 ", %80, %81, %82, %83, %84, %85, %86, %87"
-#define FUSEDATTN_WGMMA_R96 FUSEDATTN_WGMMA_R88 ", %88, %89, %90, %91, %92, %93, %94, %95"
-#define FUSEDATTN_WGMMA_D32 "{" FUSEDATTN_WGMMA_R32 "}"
-#define FUSEDATTN_WGMMA_D64 "{" FUSEDATTN_WGMMA_R64 "}"
-#define FUSEDATTN_WGMMA_D80 "{" FUSEDATTN_WGMMA_R80 "}"
-#define FUSEDATTN_WGMMA_D88 "{" FUSEDATTN_WGMMA_R88 "}"
-#define FUSEDATTN_WGMMA_D96 "{" FUSEDATTN_WGMMA_R96 "}"
+#define FUSEDATTN_WGMMA_D32                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define FUSEDATTN_WGMMA_D64                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // D (64 × N, f32) = A·B (+ D when the predicate operand is non-zero); A and B from shared memory, both K-major.
 // Operands after the accumulators: %N/2 = A descriptor, + 1 = B descriptor, + 2 = accumulate flag.
@@ -122,35 +111,20 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 
 /// d (64 × N per warpgroup; this thread's part as N/8 tiles of the m16n8 layout) = A·B, or += when `accumulate`.
 /// A: 64 × 16 at `a_desc`, B: 16 × N at `b_desc` (N rows of 16 reduction elements), both K-major descriptors.
-/// N = 64, 128 (every tile), 160, 176, 192 (the wider key tiles of the warp-specialised kernel).
 template <class E, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a_desc, std::uint64_t b_desc,
                                          bool accumulate) {
-  static_assert(N == 64 || N == 128 || N == 160 || N == 176 || N == 192,
-                "wgmma_ss is written for N = 64, 128, 160, 176 and 192");
+  static_assert(N == 64 || N == 128, "wgmma_ss is written for N = 64 and 128");
   static_assert(std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>, "wgmma_ss takes __half or __nv_bfloat16");
 #if FUSEDATTN_WGMMA_COMPILED
-  constexpr bool f16 = std::is_same_v<E, __half>;
-  if constexpr (N == 64 && f16) {
+  if constexpr (N == 64 && std::is_same_v<E, __half>) {
     FUSEDATTN_WGMMA_SS(64, "f16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34);
   } else if constexpr (N == 64) {
     FUSEDATTN_WGMMA_SS(64, "bf16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34);
-  } else if constexpr (N == 128 && f16) {
+  } else if constexpr (std::is_same_v<E, __half>) {
     FUSEDATTN_WGMMA_SS(128, "f16", FUSEDATTN_WGMMA_D64, FUSEDATTN_WGMMA_ACC64, 64, 65, 66);
-  } else if constexpr (N == 128) {
-    FUSEDATTN_WGMMA_SS(128, "bf16", FUSEDATTN_WGMMA_D64, FUSEDATTN_WGMMA_ACC64, 64, 65, 66);
-  } else if constexpr (N == 160 && f16) {
-    FUSEDATTN_WGMMA_SS(160, "f16", FUSEDATTN_WGMMA_D80, FUSEDATTN_WGMMA_ACC80, 80, 81, 82);
-  } else if constexpr (N == 160) {
-    FUSEDATTN_WGMMA_SS(160, "bf16", FUSEDATTN_WGMMA_D80, FUSEDATTN_WGMMA_ACC80, 80, 81, 82);
-  } else if constexpr (N == 176 && f16) {
-    FUSEDATTN_WGMMA_SS(176, "f16", FUSEDATTN_WGMMA_D88, FUSEDATTN_WGMMA_ACC88, 88, 89, 90);
-  } else if constexpr (N == 176) {
-    FUSEDATTN_WGMMA_SS(176, "bf16", FUSEDATTN_WGMMA_D88, FUSEDATTN_WGMMA_ACC88, 88, 89, 90);
-  } else if constexpr (f16) {
-    FUSEDATTN_WGMMA_SS(192, "f16", FUSEDATTN_WGMMA_D96, FUSEDATTN_WGMMA_ACC96, 96, 97, 98);
   } else {
-    FUSEDATTN_WGMMA_SS(192, "bf16", FUSEDATTN_WGMMA_D96, FUSEDATTN_WGMMA_ACC96, 96, 97, 98);
+    FUSEDATTN_WGMMA_SS(128, "bf16", FUSEDATTN_WGMMA_D64, FUSEDATTN_WGMMA_ACC64, 64, 65, 66);
   }
 #else
   (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
@@ -180,19 +154,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 
 #undef FUSEDATTN_WGMMA_RS
 #undef FUSEDATTN_WGMMA_SS
-#undef FUSEDATTN_WGMMA_D96
-#undef FUSEDATTN_WGMMA_D88
-#undef FUSEDATTN_WGMMA_D80
 #undef FUSEDATTN_WGMMA_D64
 #undef FUSEDATTN_WGMMA_D32
-#undef FUSEDATTN_WGMMA_R96
-#undef FUSEDATTN_WGMMA_R88
-#undef FUSEDATTN_WGMMA_R80
-#undef FUSEDATTN_WGMMA_R64
-#undef FUSEDATTN_WGMMA_R32
-#undef FUSEDATTN_WGMMA_ACC96
-#undef FUSEDATTN_WGMMA_ACC88
-#undef FUSEDATTN_WGMMA_ACC80
 #undef FUSEDATTN_WGMMA_ACC64
 #undef FUSEDATTN_WGMMA_ACC32
 #undef FUSEDATTN_WGMMA_ACC4
