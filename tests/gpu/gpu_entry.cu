@@ -51,6 +51,9 @@ status synchronize() {
   return cuda_backend::from_cuda(cudaGetLastError(), "a kernel");
 }
 
+status scratch_reserved(std::size_t& bytes) { return cuda::scratch_reserved(bytes); }
+status trim_scratch(std::size_t keep_bytes) { return cuda::trim_scratch(keep_bytes); }
+
 #define FUSEDATTN_GPU_ENTRY(T)                                                                                 \
   template status attend_cuda<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>, tensor_ref<const T>, \
                                  tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);              \

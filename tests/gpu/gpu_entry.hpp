@@ -43,6 +43,10 @@ const char* flash_kernel_name();
 /// cudaDeviceSynchronize (and the last error) as a status: where an asynchronous kernel fault shows.
 status synchronize();
 
+/// cuda::scratch_reserved and cuda::trim_scratch (fusedattn's scratch pool on the current device).
+status scratch_reserved(std::size_t& bytes);
+status trim_scratch(std::size_t keep_bytes);
+
 /// Device memory holding a copy of a host vector; copied back on request.
 template <class T>
 class device_buffer {

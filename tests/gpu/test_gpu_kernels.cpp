@@ -203,6 +203,23 @@ TEMPLATE_TEST_CASE("cuda flash decode (split-KV parts merged by lse) matches the
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::bshd, m);
 }
 
+// Split-KV parts come from fusedattn's scratch pool, which keeps them mapped after the call; trim_scratch gives
+// them back, and the next call maps them again and is still right.
+TEST_CASE("cuda scratch pool: kept after a split-KV call, given back by trim_scratch", "[gpu][flash][decode]") {
+  const problem p{1, 4, 1, 1, 4000, 128};  // one q-block per head, 4000 keys: split into parts
+  check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, dense{});
+  std::size_t kept = 0;
+  REQUIRE(gpu::scratch_reserved(kept).ok());
+  CHECK(kept > 0);
+  REQUIRE(gpu::trim_scratch(0).ok());
+  std::size_t after = 1;
+  REQUIRE(gpu::scratch_reserved(after).ok());
+  CHECK(after == 0);
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p, layout::bhsd, causal{align::bottom_right});
+  REQUIRE(gpu::scratch_reserved(kept).ok());
+  CHECK(kept > 0);
+}
+
 // Strides with gaps after every row, head and batch, all multiples of 16 bytes, so flash (and on a Hopper its TMA
 // copies of Q, K, V and its TMA stores of O) takes them: the gaps of O must stay as they were.
 TEMPLATE_TEST_CASE("cuda flash on padded 16-byte strides leaves the gaps of O alone", "[gpu][flash]", Eigen::half,

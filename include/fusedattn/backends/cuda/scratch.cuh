@@ -1,6 +1,7 @@
 /// @file scratch.cuh
 /// Stream-ordered scratch memory of the CUDA backend (the split-KV parts of the flash kernels, the naive pipeline's
-/// S and P) from a memory pool of fusedattn's own, one per device, that stays mapped between calls. No kernels here.
+/// S and P) from a memory pool of fusedattn's own, one per device, that stays mapped between calls; for the
+/// application, `cuda::scratch_reserved` (what it holds) and `cuda::trim_scratch` (give it back). No kernels here.
 #pragma once
 
 #include <cstddef>
@@ -18,20 +19,22 @@ namespace cuda_backend {
 /// memory back to the device).
 inline constexpr std::uint64_t scratch_pool_keep_bytes = std::uint64_t(256) << 20;
 
-/// The current device's scratch pool, created on first use. fusedattn's own pool, so that the device's default pool
-/// and its settings stay the application's; it keeps up to scratch_pool_keep_bytes mapped across synchronisations.
-/// From the default pool (release threshold 0) every call's scratch was mapped again after each synchronisation:
-/// H200, decode (4,16,1,16384,64) bf16 0.192 against 0.120 ms, (1,1,4096,64) f16 0.083–0.095 against 0.042 ms
+/// The current device's scratch pool, created on first use (with `create` false, `pool` is nullptr until then).
+/// fusedattn's own pool, so that the device's default pool and its settings stay the application's; it keeps up to
+/// scratch_pool_keep_bytes mapped across synchronisations (cuda::trim_scratch gives them back). From the default
+/// pool (release threshold 0) every call's scratch was mapped again after each synchronisation: H200, decode
+/// (4,16,1,16384,64) bf16 0.192 against 0.120 ms, (1,1,4096,64) f16 0.083–0.095 against 0.042 ms
 /// (docs/PERFORMANCE.md, ninth session).
-inline status scratch_pool(cudaMemPool_t& pool) {
+inline status scratch_pool(cudaMemPool_t& pool, bool create = true) {
   constexpr int max_devices = 64;
   static std::mutex guard;
   static cudaMemPool_t pools[max_devices] = {};
+  pool = nullptr;
   int device = 0;
   if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
   if (device >= max_devices) return {errc::unsupported, "CUDA device index past 63"};
   const std::lock_guard<std::mutex> lock(guard);
-  if (pools[device] == nullptr) {
+  if (pools[device] == nullptr && create) {
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
@@ -64,4 +67,33 @@ inline status scratch_allocate(void*& out, std::size_t bytes, cudaStream_t strea
 }
 
 }  // namespace cuda_backend
+
+namespace cuda {
+
+/// Device memory that fusedattn's scratch pool holds on the current device (`bytes`): what it has mapped, in use
+/// or kept for the next call (0 before the first call that needed scratch). Split-KV calls (decode) and the naive
+/// pipeline take their scratch from this pool, which keeps up to 256 MiB mapped between calls.
+inline status scratch_reserved(std::size_t& bytes) {
+  bytes = 0;
+  cudaMemPool_t pool = nullptr;
+  if (status st = cuda_backend::scratch_pool(pool, false); !st || pool == nullptr) return st;
+  std::uint64_t reserved = 0;
+  if (status st = cuda_backend::from_cuda(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved),
+                                          "cudaMemPoolGetAttribute(fusedattn scratch)");
+      !st)
+    return st;
+  bytes = static_cast<std::size_t>(reserved);
+  return {};
+}
+
+/// Gives the scratch that fusedattn's pool keeps mapped on the current device back to the device, down to at most
+/// `keep_bytes` (cudaMemPoolTrimTo); scratch still in use by unfinished calls stays. For an application that needs
+/// the memory between bursts of calls; the next call that needs scratch maps it again.
+inline status trim_scratch(std::size_t keep_bytes = 0) {
+  cudaMemPool_t pool = nullptr;
+  if (status st = cuda_backend::scratch_pool(pool, false); !st || pool == nullptr) return st;
+  return cuda_backend::from_cuda(cudaMemPoolTrimTo(pool, keep_bytes), "cudaMemPoolTrimTo(fusedattn scratch)");
+}
+
+}  // namespace cuda
 }  // namespace fusedattn
