@@ -256,6 +256,8 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
   const problem many{1, 270, 2, 3, 40, 128};
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, dense{});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});
+  // More than 8 items a block under a causal mask (1080 items of up to two key tiles): one block per item.
+  check_gpu<Eigen::half>(cuda_kernel::flash, problem{1, 540, 2, 129, 200, 128}, layout::bshd, causal{});
   const problem ps{1, 2, 2, 256, 300, 128};
   const block_layout layout = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
   check_gpu<Eigen::half>(cuda_kernel::flash, ps, layout::bhsd, block_sparse{layout, causal{}});
@@ -417,6 +419,15 @@ TEMPLATE_TEST_CASE("cuda flash with more work items than blocks (the Hopper kern
     for (bool uploaded : {false, true})
       check_gpu<TestType>(cuda_kernel::flash, p, layout::bhsd, block_sparse{layout, causal{}}, uploaded);
   }
+}
+
+// Causal and window calls with more than 8 items a block on 132 SMs: on a Hopper one block per item
+// (hopper_schedule_for), items of several key tiles, q-tails, GQA; head_dim 128 (two Q buffers) and 256 (one).
+TEST_CASE("cuda flash: causal and window calls of more than 8 items a block", "[gpu][flash]") {
+  const problem d128{1, 540, 4, 140, 260, 128}, d256{1, 560, 2, 130, 100, 256};  // 1080 and 1120 items
+  check_gpu<Eigen::half>(cuda_kernel::flash, d128, layout::bshd, causal{});
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, d128, layout::bhsd, window{100, 30, align::bottom_right});
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, d256, layout::bshd, causal{align::bottom_right});
 }
 
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,
