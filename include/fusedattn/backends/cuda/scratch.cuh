@@ -56,12 +56,20 @@ inline status scratch_pool(cudaMemPool_t& pool, bool create = true) {
 }
 
 /// `bytes` of scratch from scratch_pool in stream order (free with cudaFreeAsync on the same stream); `what` names
-/// the buffer in the error.
+/// the buffer in the error. While `stream` is being captured into a graph the allocation is the graph's anyway (an
+/// allocation node), so it comes from cudaMallocAsync as before the pool, and no pool is created mid-capture.
 inline status scratch_allocate(void*& out, std::size_t bytes, cudaStream_t stream, const char* what) {
-  cudaMemPool_t pool = nullptr;
-  if (status st = scratch_pool(pool); !st) return st;
   out = nullptr;
-  const cudaError_t e = cudaMallocFromPoolAsync(&out, bytes, pool, stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (status st = from_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing"); !st) return st;
+  cudaError_t e = cudaSuccess;
+  if (capture != cudaStreamCaptureStatusNone) {
+    e = cudaMallocAsync(&out, bytes, stream);
+  } else {
+    cudaMemPool_t pool = nullptr;
+    if (status st = scratch_pool(pool); !st) return st;
+    e = cudaMallocFromPoolAsync(&out, bytes, pool, stream);
+  }
   if (e != cudaSuccess) cudaGetLastError();
   return from_cuda(e, what);
 }
