@@ -258,6 +258,9 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});
   // More than 8 items a block under a causal mask (1080 items of up to two key tiles): one block per item.
   check_gpu<Eigen::half>(cuda_kernel::flash, problem{1, 540, 2, 129, 200, 128}, layout::bshd, causal{});
+  // 270 items of 0 to 5 key tiles, one or two a block (the persistent grid carrying its buffers from item to item).
+  const block_layout walk = random_layout(block_geometry{8, 600, 128, 128, 1, 270}, 0.6, fresh_seed());
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, problem{1, 270, 2, 8, 600, 128}, layout::bshd, block_sparse{walk});
   const problem ps{1, 2, 2, 256, 300, 128};
   const block_layout layout = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
   check_gpu<Eigen::half>(cuda_kernel::flash, ps, layout::bhsd, block_sparse{layout, causal{}});
@@ -428,6 +431,27 @@ TEST_CASE("cuda flash: causal and window calls of more than 8 items a block", "[
   check_gpu<Eigen::half>(cuda_kernel::flash, d128, layout::bshd, causal{});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, d128, layout::bhsd, window{100, 30, align::bottom_right});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, d256, layout::bshd, causal{align::bottom_right});
+}
+
+// On a Hopper, the persistent grid's blocks walk items of 0 to 6 key tiles in turn (the K and V buffers, their
+// barriers' phases and the two Q buffers carried from item to item), items without a key tile between items with
+// some; head_dim 128 and the whole-row head_dim 64 tile (128-key tiles); a causal and a window walk of 1 to 3 tiles;
+// diagonal tiles masked per element (band32::columns). Enough items that no call splits the keys.
+TEMPLATE_TEST_CASE("cuda flash: items of one to many key tiles in turn in a block",
+                   "[gpu][flash][block_sparse]", Eigen::half, Eigen::bfloat16) {
+  const problem d128{1, 280, 4, 20, 400, 128}, d64{1, 100, 4, 140, 400, 64}, banded{1, 52, 4, 260, 260, 128};
+  check_gpu<TestType>(cuda_kernel::flash, d128, layout::bshd, dense{});    // 280 items of 4 key tiles
+  check_gpu<TestType>(cuda_kernel::flash, d64, layout::bhsd, dense{});     // 200 items of 4 key tiles
+  check_gpu<TestType>(cuda_kernel::flash, banded, layout::bshd, causal{});  // 156 items of 1 to 3 key tiles
+  check_gpu<TestType>(cuda_kernel::flash, banded, layout::bhsd, window{150, 0, align::bottom_right});
+  // Window edges far past the sequences (band32 clamps them; band32::columns adds them to rows in int).
+  check_gpu<TestType>(cuda_kernel::flash, banded, layout::bshd, window{index_t(1) << 40, 3});
+  check_gpu<TestType>(cuda_kernel::flash, banded, layout::bshd, window{5, index_t(1) << 40, align::bottom_right});
+  const problem sparse{1, 270, 2, 16, 768, 128};  // 270 items of 0 to 6 key tiles
+  const block_layout layout = random_layout(block_geometry{16, 768, 128, 128, 1, 270}, 0.6, fresh_seed());
+  for (bool uploaded : {false, true})
+    check_gpu<TestType>(cuda_kernel::flash, sparse, layout::bshd, block_sparse{layout}, uploaded);
+  check_gpu<TestType>(cuda_kernel::flash, sparse, layout::bhsd, block_sparse{layout, causal{align::bottom_right}});
 }
 
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,

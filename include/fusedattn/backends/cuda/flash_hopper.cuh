@@ -171,15 +171,22 @@ __device__ __forceinline__ void tile_softmax(float (&s)[BN / 8][4], std::uint32_
   constexpr float neg_inf = -INFINITY;
   const bool past_edge = !Band && (k0 < tile_begin || k0 + BN > tile_end);
   if (past_edge || rule.is_partial(w.row0, w.row_end, k0, k0 + BN)) {
+    // Row g + 8r of this thread may see the tile's columns [c_lo, c_hi) (band32::columns); its scores sit at
+    // columns n·8 + 2t + (e & 1), so with 2t taken off the bounds each test compares against a constant.
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n)
+    for (int r = 0; r < 2; ++r) {
+      int c_lo, c_hi;
+      rule.columns(w.row0 + w.g + 8 * r, k0, Band ? k0 : tile_begin, Band ? k0 + BN : tile_end, c_lo, c_hi);
+      c_lo -= 2 * w.t;
+      c_hi -= 2 * w.t;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = n * 8 + 2 * w.t + (e & 1), i = w.row0 + w.g + 8 * (e / 2), j = k0 + c;
-        bool ok = rule.allowed(i, j);
-        if constexpr (!Band) ok = ok && j >= tile_begin && j < tile_end;
-        if (!ok) s[n][e] = neg_inf;
-      }
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const int c = n * 8 + (e & 1);
+          s[n][e] = (c >= c_lo) & (c < c_hi) ? s[n][e] : neg_inf;
+        }
+    }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

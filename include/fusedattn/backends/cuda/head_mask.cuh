@@ -28,6 +28,19 @@ struct band32 {
   }
   /// band_mask::allowed.
   __device__ __forceinline__ bool allowed(int i, int j) const { return j >= 0 && j < seq_kv && j - i >= lo && j - i <= hi; }
+  /// The keys of row i that the rule allows within [k_begin, k_end) (a key tile from k0, or a block-sparse segment
+  /// cut to it), as the tile's columns [c_lo, c_hi): key k0 + c is allowed when c_lo <= c < c_hi (none when
+  /// c_lo >= c_hi). A masked tile's per-element test is then two comparisons with constants and a select per score,
+  /// with no branch (the short-circuit `allowed` compiled to a branch per score). No sum leaves the int range: i and
+  /// seq_kv are at most 2^30, lo and hi at least -3·2^29, and lo, hi are cut to seq_kv before they are added.
+  __device__ __forceinline__ void columns(int i, int k0, int k_begin, int k_end, int& c_lo, int& c_hi) const {
+    int first = i + (lo < seq_kv ? lo : seq_kv);  // first and last allowed key of the row (last inclusive)
+    int last = i + (hi < seq_kv ? hi : seq_kv);
+    first = max(max(first, k_begin), 0);
+    last = max(min(min(last, k_end - 1), seq_kv - 1), k0 - 1);
+    c_lo = first - k0;
+    c_hi = last + 1 - k0;
+  }
   /// band_mask::is_partial.
   __device__ __forceinline__ bool is_partial(int q0, int q1, int k0, int k1) const {
     return !(k1 <= seq_kv && k0 >= 0 && k0 - (q1 - 1) >= lo && (k1 - 1) - q0 <= hi);
