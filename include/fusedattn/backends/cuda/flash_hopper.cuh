@@ -76,7 +76,8 @@ struct hopper_tile {
   static constexpr int q_buffers = (2 * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256 <= 227 * 1024 ? 2 : 1;
   static constexpr int ws_smem_bytes = (q_buffers * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256;
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
-  static_assert(BlockN == 64 || BlockN == 128, "wgmma_ss is written for block_n 64 and 128");
+  static_assert(BlockN == 64 || BlockN == 80 || BlockN == 128, "wgmma_ss is written for block_n 64, 80 and 128");
+  static_assert(ws_smem_bytes <= 227 * 1024, "one block's shared memory on sm_90 is at most 227 KB");
 };
 
 /// Offset in elements of (row, 16-byte chunk) in a tile of `Rows` rows stored as 64-column panels of 128-byte
@@ -763,8 +764,10 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
 /// The Hopper kernel's tile for a head dimension, chosen among the tiles bench/gpu times (docs/PERFORMANCE.md, CUDA
 /// section): 128 query rows (two warpgroups) for all; head_dim 128 takes 128-key tiles and one block per
 /// multiprocessor (161 KB of shared memory, 220 registers a thread), head_dim 64 takes 64-key tiles and two blocks
-/// (49 KB each, at most 128 registers), head_dim 256 64-key tiles and one block (193 KB; 128-key tiles do not fit,
-/// and one warpgroup of 64 rows ran at 0.55–0.6× on an H100).
+/// (49 KB each, at most 128 registers), head_dim 256 80-key tiles and one block (225 KB, the most that fits: 96-key
+/// tiles do not; H200, f16/bf16 TFLOP/s against 64-key tiles in three alternated rounds, docs/PERFORMANCE.md, tenth
+/// session: (4,16,4096,256) 618–630 / 641–653 against 587–597 / 608–614, causal 551–563 / 570–580 against
+/// 508–521 / 544–553; one warpgroup of 64 rows ran at 0.55–0.6× on an H100).
 template <int HeadDim>
 struct hopper_default_tile;
 template <>
@@ -777,7 +780,7 @@ struct hopper_default_tile<128> {
 };
 template <>
 struct hopper_default_tile<256> {
-  using type = hopper_tile<256, 64, 1>;
+  using type = hopper_tile<256, 80, 1>;
 };
 
 /// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do not

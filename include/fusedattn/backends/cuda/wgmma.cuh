@@ -81,6 +81,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 #define FUSEDATTN_WGMMA_ACC32(d)                                                                              \
   FUSEDATTN_WGMMA_ACC4(d, 0), FUSEDATTN_WGMMA_ACC4(d, 1), FUSEDATTN_WGMMA_ACC4(d, 2), FUSEDATTN_WGMMA_ACC4(d, 3), \
       FUSEDATTN_WGMMA_ACC4(d, 4), FUSEDATTN_WGMMA_ACC4(d, 5), FUSEDATTN_WGMMA_ACC4(d, 6), FUSEDATTN_WGMMA_ACC4(d, 7)
+#define FUSEDATTN_WGMMA_ACC40(d) FUSEDATTN_WGMMA_ACC32(d), FUSEDATTN_WGMMA_ACC4(d, 8), FUSEDATTN_WGMMA_ACC4(d, 9)
 #define FUSEDATTN_WGMMA_ACC64(d)                                                                                   \
   FUSEDATTN_WGMMA_ACC32(d), FUSEDATTN_WGMMA_ACC4(d, 8), FUSEDATTN_WGMMA_ACC4(d, 9), FUSEDATTN_WGMMA_ACC4(d, 10),   \
       FUSEDATTN_WGMMA_ACC4(d, 11), FUSEDATTN_WGMMA_ACC4(d, 12), FUSEDATTN_WGMMA_ACC4(d, 13),                       \
@@ -88,6 +89,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 #define FUSEDATTN_WGMMA_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define FUSEDATTN_WGMMA_D40                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FUSEDATTN_WGMMA_D64                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
@@ -114,13 +118,17 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 template <class E, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a_desc, std::uint64_t b_desc,
                                          bool accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma_ss is written for N = 64 and 128");
+  static_assert(N == 64 || N == 80 || N == 128, "wgmma_ss is written for N = 64, 80 and 128");
   static_assert(std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>, "wgmma_ss takes __half or __nv_bfloat16");
 #if FUSEDATTN_WGMMA_COMPILED
   if constexpr (N == 64 && std::is_same_v<E, __half>) {
     FUSEDATTN_WGMMA_SS(64, "f16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34);
   } else if constexpr (N == 64) {
     FUSEDATTN_WGMMA_SS(64, "bf16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34);
+  } else if constexpr (N == 80 && std::is_same_v<E, __half>) {
+    FUSEDATTN_WGMMA_SS(80, "f16", FUSEDATTN_WGMMA_D40, FUSEDATTN_WGMMA_ACC40, 40, 41, 42);
+  } else if constexpr (N == 80) {
+    FUSEDATTN_WGMMA_SS(80, "bf16", FUSEDATTN_WGMMA_D40, FUSEDATTN_WGMMA_ACC40, 40, 41, 42);
   } else if constexpr (std::is_same_v<E, __half>) {
     FUSEDATTN_WGMMA_SS(128, "f16", FUSEDATTN_WGMMA_D64, FUSEDATTN_WGMMA_ACC64, 64, 65, 66);
   } else {
@@ -155,8 +163,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 #undef FUSEDATTN_WGMMA_RS
 #undef FUSEDATTN_WGMMA_SS
 #undef FUSEDATTN_WGMMA_D64
+#undef FUSEDATTN_WGMMA_D40
 #undef FUSEDATTN_WGMMA_D32
 #undef FUSEDATTN_WGMMA_ACC64
+#undef FUSEDATTN_WGMMA_ACC40
 #undef FUSEDATTN_WGMMA_ACC32
 #undef FUSEDATTN_WGMMA_ACC4
 
