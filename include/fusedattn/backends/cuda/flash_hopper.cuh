@@ -615,6 +615,19 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
   float acc[D / 8][4];
   int kt = 0;
+  // The thread of each warpgroup that stores O by TMA does not wait for the store to have read the staged rows before
+  // the next item (with two Q buffers, the next item's Q is in the other one): it frees the buffer once the next
+  // item's first scores are issued (release_stored), or at the end. Its warp would otherwise hold up its
+  // warpgroup's next products for the read. With one Q buffer the next Q needs this buffer, so it waits at once.
+  constexpr bool defer_store_wait = QB > 1;
+  int stored_qb = -1;  // the Q buffer a TMA store of this thread may still be reading (−1: none)
+  auto release_stored = [&] {
+    if (defer_store_wait && stored_qb >= 0) {
+      bulk_wait_read<0>();
+      release(&ws.q_empty[stored_qb]);
+      stored_qb = -1;
+    }
+  };
   for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
     const int qb = n % QB;
     const std::uint64_t q_desc = desc_plus(q_desc0, qb * BM * D);
@@ -640,6 +653,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         float alpha[2];
         wait_turn();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, (kt % 2) * BN * D));
+        release_stored();  // the last item's O store, while S_0 runs
         wgmma_wait<0>();
         fence_operands(s);
         pass_turn();
@@ -698,7 +712,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     }
 
     // O is staged through this warpgroup's 64 rows of the item's Q buffer (only this warpgroup read them) and
-    // written by the warpgroup; then the buffer is freed for the item after next.
+    // written by the warpgroup; then the buffer is freed for the item after next (by the storing thread once the
+    // store has read it).
+    release_stored();  // an item without key tiles issued no scores
     E* stage = sq + qb * BM * D;
     finish_rows<E, Tile>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage);
     fence_proxy_async();  // the staged rows (generic proxy) precede the TMA store's reads, the Q reads its next write
@@ -711,11 +727,13 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         for (int c = 0; c < D / 64; ++c)
           tma_store_4d(&p.o_map, stage + c * BM * 64 + wg * 64 * 64, c * 64, at[0], at[1], at[2]);
         bulk_commit();
-        bulk_wait_read<0>();
+        if constexpr (defer_store_wait) stored_qb = qb;
+        else bulk_wait_read<0>();
       }
     }
-    release(&ws.q_empty[qb]);
+    if (stored_qb != qb) release(&ws.q_empty[qb]);  // the storing thread frees it in release_stored
   }
+  release_stored();  // the block's last store has read its rows before the block's shared memory goes
   if (wg == 0) wait_turn();  // the last warpgroup's last pass (no barrier is left with arrivals pending)
 #else
   (void)p;
