@@ -31,8 +31,9 @@ struct band32 {
   /// The keys of row i that the rule allows within [k_begin, k_end) (a key tile from k0, or a block-sparse segment
   /// cut to it), as the tile's columns [c_lo, c_hi): key k0 + c is allowed when c_lo <= c < c_hi (none when
   /// c_lo >= c_hi). A masked tile's per-element test is then two comparisons with constants and a select per score,
-  /// with no branch (the short-circuit `allowed` compiled to a branch per score). No sum leaves the int range: i and
-  /// seq_kv are at most 2^30, lo and hi at least -3·2^29, and lo, hi are cut to seq_kv before they are added.
+  /// with no branch (the short-circuit `allowed` compiled to a branch per score). The sums stay in int: lo and hi
+  /// are at least -3·2^29 and are cut to seq_kv (at most 2^30) before row i is added; i is below seq_q + 128, so
+  /// only Q, K and V of 2^30 rows each (more memory than a GPU holds) could take i + seq_kv past 2^31.
   __device__ __forceinline__ void columns(int i, int k0, int k_begin, int k_end, int& c_lo, int& c_hi) const {
     int first = i + (lo < seq_kv ? lo : seq_kv);  // first and last allowed key of the row (last inclusive)
     int last = i + (hi < seq_kv ? hi : seq_kv);
