@@ -455,6 +455,15 @@ TEMPLATE_TEST_CASE("cuda flash: items of one to many key tiles in turn in a bloc
   check_gpu<TestType>(cuda_kernel::flash, sparse, layout::bhsd, block_sparse{layout, causal{align::bottom_right}});
 }
 
+// Causal and window head_dim 64 calls of many items (528 q-blocks of 128 rows): on a Hopper the two-blocks-per-SM
+// kernel, one block per q-block. (The same shape on the three-warpgroup turns tile passed too: H200 call s12-12.)
+TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu][flash]") {
+  const problem p{1, 132, 2, 385, 385, 64};
+  check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, causal{});
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p, layout::bhsd, causal{align::bottom_right});
+  check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, window{100, 20});
+}
+
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,
                    Eigen::bfloat16) {
   const problem p{1, 4, 2, 512, 777, 128};
