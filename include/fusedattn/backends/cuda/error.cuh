@@ -13,6 +13,10 @@
 namespace fusedattn {
 namespace cuda_backend {
 
+/// Devices the backend's per-device caches hold (hopper_flash_ready's answers, scratch_pool's pools): device
+/// indices 0 to 63.
+inline constexpr int max_cached_devices = 64;
+
 /// ok, or errc::backend_error (errc::out_of_memory for cudaErrorMemoryAllocation) naming the failed call.
 inline status from_cuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return {};

@@ -471,8 +471,9 @@ static_assert(hopper_consumer_registers<2> == 240 && hopper_consumer_registers<3
 /// Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence with no
 /// block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. A warpgroup
 /// stages its O rows in its own rows of the item's Q buffer and one of its threads writes them with a TMA store
-/// (tensor map p.o_map; rows past seq_q are clipped by the copy), waiting only until the copy has read them before
-/// the buffer is freed. The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
+/// (tensor map p.o_map; rows past seq_q are clipped by the copy). The buffer is freed once the copy has read them;
+/// with two Q buffers that thread waits for the read only after the next item's first scores are issued
+/// (release_stored). The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
 /// (H200, block-sparse 0.9 at (1,16,10000,128), one run: the early Q, the TMA store and the item from the producer
 /// took a warpgroup's time per item from 27 100–27 400 to 25 800 cycles, the call from 0.190–0.193 to
 /// 0.178–0.182 ms; docs/PERFORMANCE.md.)
@@ -750,10 +751,9 @@ __global__ void wgmma_probe_kernel(int* compiled) { *compiled = FUSEDATTN_WGMMA_
 /// and a synchronous copy; while `stream` is being captured into a graph nothing is launched and the answer is
 /// false until a call outside capture has asked.
 inline bool hopper_flash_ready(cudaStream_t stream) {
-  constexpr int max_devices = 64;
-  static std::atomic<int> known[max_devices];  // 0 not asked, 1 yes, 2 no (zero-initialised: static storage)
+  static std::atomic<int> known[max_cached_devices];  // 0 not asked, 1 yes, 2 no (zero-initialised: static storage)
   int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= max_devices ||
+  if (cudaGetDevice(&device) != cudaSuccess || device >= max_cached_devices ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
     cudaGetLastError();

@@ -26,13 +26,12 @@ inline constexpr std::uint64_t scratch_pool_keep_bytes = std::uint64_t(256) << 2
 /// (4,16,1,16384,64) bf16 0.192 against 0.120 ms, (1,1,4096,64) f16 0.083–0.095 against 0.042 ms
 /// (docs/PERFORMANCE.md, ninth session).
 inline status scratch_pool(cudaMemPool_t& pool, bool create = true) {
-  constexpr int max_devices = 64;
   static std::mutex guard;
-  static cudaMemPool_t pools[max_devices] = {};
+  static cudaMemPool_t pools[max_cached_devices] = {};
   pool = nullptr;
   int device = 0;
   if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
-  if (device >= max_devices) return {errc::unsupported, "CUDA device index past 63"};
+  if (device >= max_cached_devices) return {errc::unsupported, "CUDA device index past 63"};
   const std::lock_guard<std::mutex> lock(guard);
   if (pools[device] == nullptr && create) {
     cudaMemPoolProps props{};
