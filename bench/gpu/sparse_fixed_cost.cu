@@ -4,8 +4,12 @@
 //   fusedattn_sparse_fixed_cost sweep    S 10000 at sparsity 1, 0.95, 0.9, 0.85, 0.8, 0.6, 0.2 (0 to 16 of 20
 //                                        blocks per row): time against blocks per row gives the fixed part
 //   fusedattn_sparse_fixed_cost tiles    S 10000, sparsity 0.9 on the other Hopper tiles (launch_flash_hopper)
+//   fusedattn_sparse_fixed_cost host     S 10000, sparsity 0.9: the host's share of a call (its runtime calls one by
+//                                        one, host time a call, and a call timed as the bench does against the same
+//                                        call with the host's work hidden behind a spin kernel)
 // Results: docs/PERFORMANCE.md, CUDA, fourth session. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -84,6 +88,45 @@ struct operands {
   }
 };
 
+/// Spins one thread for `cycles` clock cycles: queued before a timed call, it hides the host's work for the call.
+__global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+/// Host microseconds of `f()`, averaged over `n` runs.
+template <class F>
+double host_us(F f, int n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) f();
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
+}
+
+/// Median ms of `f()` between two events queued behind a spin kernel of ~0.5 ms: the GPU's time for the call alone.
+template <class F>
+double median_gpu_ms(F f) {
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a));
+  check(cudaEventCreate(&b));
+  for (int i = 0; i < 5; ++i) f();
+  std::vector<float> ms;
+  for (int i = 0; i < 60; ++i) {
+    spin<<<1, 1>>>(1000000);
+    check(cudaEventRecord(a));
+    f();
+    check(cudaEventRecord(b));
+    check(cudaEventSynchronize(b));
+    float t = 0;
+    check(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 fa::block_layout layout_for(int h, int s, double sparsity) {
   return fa::random_layout(fa::block_geometry{s, s, 128, 512, 1, h}, sparsity, 42);
 }
@@ -128,6 +171,60 @@ int main(int argc, char** argv) {
     tile(cb::hopper_tile<128, 64, 2>{}, "wg2 n64 b2");
     tile(cb::hopper_tile<128, 64, 2, 1>{}, "wg1 n64 b2");
     tile(cb::hopper_tile<128, 128, 1, 1>{}, "wg1 n128 b1");
+    return 0;
+  }
+  if (mode == "host") {
+    const operands x(h, 10000);
+    const fa::block_layout layout = layout_for(h, 10000, 0.9);
+    fa::cuda::device_block_layout dev;
+    check(fa::cuda::upload(layout, dev));
+    const fa::policy::cuda pol{nullptr, flash};
+    const auto call = [&](const auto& mask) {
+      return [&x, &pol, mask] {
+        check(fa::attend(pol, x.p, x.in(x.q), x.in(x.k), x.in(x.v), fa::bhsd(x.o, x.p.o_dims()), mask, x.lse));
+      };
+    };
+    const auto dense = call(fa::dense{});
+    const auto sparse = call(fa::cuda::device_block_sparse{dev});
+    const auto copied = call(fa::block_sparse{layout});
+    // The runtime calls of one call, one by one (2000 runs each).
+    using tile = cb::hopper_default_tile<128>::type;
+    const auto kernel = cb::flash_hopper_ws_kernel<__half, tile, fa::block_sparse_mask>;
+    cudaPointerAttributes attr{};
+    int device = 0, count = 0;
+    CUtensorMap map{};
+    int order[3] = {};
+    std::printf("host us: cudaPointerGetAttributes %.3f, cudaFuncSetAttribute %.3f, cudaGetDevice + "
+                "cudaDeviceGetAttribute %.3f, cudaStreamIsCapturing %.3f, tensor map %.3f, empty launch %.3f\n",
+                host_us([&] { check(cudaPointerGetAttributes(&attr, x.q)); }, 2000),
+                host_us([&] { check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                         tile::ws_smem_bytes)); }, 2000),
+                host_us([&] {
+                  check(cudaGetDevice(&device));
+                  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+                }, 2000),
+                host_us([&] {
+                  cudaStreamCaptureStatus c{};
+                  check(cudaStreamIsCapturing(nullptr, &c));
+                }, 2000),
+                host_us([&] {
+                  if (!cb::make_tile_map(map, order, x.k, false, 128, 10000, h, 1, fa::bhsd(x.k, x.p.kv_dims()).stride,
+                                         128))
+                    std::exit(1);
+                }, 2000),
+                host_us([&] { spin<<<1, 1>>>(0); }, 2000));
+    check(cudaDeviceSynchronize());
+    const auto line = [&](const char* name, const auto& f) {
+      check(cudaDeviceSynchronize());
+      const double host = host_us(f, 50);
+      check(cudaDeviceSynchronize());
+      const double bench = median_ms(f), gpu = median_gpu_ms(f);
+      std::printf("%-22s host %.1f us a call; per call %.4f ms as the bench times it, %.4f ms behind a spin kernel\n",
+                  name, host, bench, gpu);
+    };
+    line("dense", dense);
+    line("sparse, device layout", sparse);
+    line("sparse, layout copied", copied);
     return 0;
   }
   for (int s : {4096, 10000}) {

@@ -182,7 +182,7 @@ TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]"
   }
 }
 
-// Unmasked head_dim 64 calls with at least two rounds of work items (hopper_takes_unmasked_tile): on a Hopper
+// Unmasked head_dim 64 calls with at least two rounds of work items (hopper_takes_turns_tile): on a Hopper
 // three consumer warpgroups of 64 rows (192-row blocks) that take turns on the tensor cores. 288–352 items, so the
 // persistent grid's blocks walk two or three items each (the turns go on from item to item); tails of the 192-row
 // block (2049 = 10·192 + 129, 400, 200) and of the 128-key tile (300, 333, 33 keys), GQA, MQA-like groups, padded
@@ -455,13 +455,20 @@ TEMPLATE_TEST_CASE("cuda flash: items of one to many key tiles in turn in a bloc
   check_gpu<TestType>(cuda_kernel::flash, sparse, layout::bhsd, block_sparse{layout, causal{align::bottom_right}});
 }
 
-// Causal and window head_dim 64 calls of many items (528 q-blocks of 128 rows): on a Hopper the two-blocks-per-SM
-// kernel, one block per q-block. (The same shape on the three-warpgroup turns tile passed too: H200 call s12-12.)
+// Causal and window head_dim 64 calls of many items. On a Hopper with 132 SMs: 396 items of 192 rows (at most 8
+// rounds) stay on the two-blocks-per-SM kernel, one block per 128-row q-block (the same shape on the
+// three-warpgroup turns tile passed too: H200 call s12-12); 1120 items of 192 rows (more than 8 rounds) take the
+// turns tile for causal, one block per item (hopper_takes_turns_tile), with q-tails (200 = 192 + 8), keys past the
+// queries on both alignments and GQA; the window stays on the two-blocks kernel.
 TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu][flash]") {
   const problem p{1, 132, 2, 385, 385, 64};
   check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, causal{});
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p, layout::bhsd, causal{align::bottom_right});
   check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, window{100, 20});
+  const problem many{1, 560, 4, 200, 330, 64};
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{});
+  check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bhsd, causal{align::bottom_right});
+  check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, window{150, 0, align::bottom_right});
 }
 
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,

@@ -187,13 +187,15 @@ inline status check_layout(const block_layout_view& l) {
   for (index_t r = 0; r < rows; ++r)
     for (index_t t = l.row_offsets[r]; t < l.row_offsets[r + 1]; ++t) {
       const index_t c = l.cols[t];
-      const std::string at = n + "cols[" + s(t) + "] (row " + s(r) + ") is " + s(c);
+      // The message is built only for a bad entry: built for every entry, it took ~200 µs of a call's host time
+      // at 2528 entries ((1,16,10000,128), 128×512 blocks, sparsity 0.9).
+      const auto at = [&] { return n + "cols[" + s(t) + "] (row " + s(r) + ") is " + s(c); };
       if (c < 0 || c >= n_kv)
-        return status::invalid(at + "; kv-block indices must lie in [0, " + s(n_kv) + ")");
+        return status::invalid(at() + "; kv-block indices must lie in [0, " + s(n_kv) + ")");
       if (t > l.row_offsets[r] && c == l.cols[t - 1])
-        return status::invalid(at + ", a duplicate of the previous index");
+        return status::invalid(at() + ", a duplicate of the previous index");
       if (t > l.row_offsets[r] && c < l.cols[t - 1])
-        return status::invalid(at + ", less than the previous index " + s(l.cols[t - 1]) +
+        return status::invalid(at() + ", less than the previous index " + s(l.cols[t - 1]) +
                                "; each row must be sorted ascending");
     }
   if (l.run_offsets == nullptr && l.runs == nullptr) return {};

@@ -110,8 +110,8 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
       if (p.head_dim == 64) {
         int multiprocessors = 0;
         if (status st = device_multiprocessors(multiprocessors); !st) return st;
-        if (hopper_takes_unmasked_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors))
-          return launch_flash_hopper<E, typename hopper_unmasked_tile<64>::type>(fp, stream);
+        if (hopper_takes_turns_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors))
+          return launch_flash_hopper<E, typename hopper_turns_tile<64>::type>(fp, stream);
       }
       if (p.head_dim == 64 && hopper_takes_whole_rows(mask, p.seq_q))
         return launch_flash_hopper<E, typename hopper_whole_row_tile<64>::type>(fp, stream);

@@ -5,7 +5,7 @@
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
 /// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows
-/// (three and 192 rows in hopper_unmasked_tile), each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh).
+/// (three and 192 rows in hopper_turns_tile), each warp 16 of them (the m16n8 accumulator layout, as in flash.cuh).
 /// Per key tile j of block_n keys, each warpgroup runs
 ///   S_j = Q·K_jᵀ              (wgmma, Q and K_j from shared memory)          — issued, asynchronous
 ///   O  += P_{j-1}·V_{j-1}      (wgmma, P from registers, V_{j-1} from shared) — issued, asynchronous
@@ -17,8 +17,8 @@
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, and 64 where every q-block sees every
-///     key — no mask, decode: hopper_whole_row_tile, and hopper_unmasked_tile, whose three consumer warpgroups
-///     take turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
+///     key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
+///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
 ///     too) into buffers that "empty" mbarriers hand back, the consumer warpgroups compute with no block barrier
 ///     and write O by TMA, items walked by a persistent grid (no mask, block-sparse; causal and window with few
 ///     items a block, dealt q-block first: hopper_schedule_for) or one block each;
@@ -46,7 +46,7 @@ namespace fusedattn {
 namespace cuda_backend {
 
 /// Compile-time tile shape of the Hopper kernels: `Warpgroups` computing warpgroups of 64 query rows (two by default;
-/// three in hopper_unmasked_tile; one and four exist for the bench's sweeps), `BlockN` keys per tile, two K and two
+/// three in hopper_turns_tile; one and four exist for the bench's sweeps), `BlockN` keys per tile, two K and two
 /// V buffers. `MinBlocks` blocks per multiprocessor bound the registers (__launch_bounds__) and pick the kernel
 /// (warp_specialized).
 template <int HeadDim, int BlockN, int MinBlocks = 1, int Warpgroups = 2>
@@ -802,7 +802,7 @@ struct hopper_default_tile<256> {
 };
 
 /// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do not
-/// take hopper_unmasked_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
+/// take hopper_turns_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
 /// warp-specialised; head_dim 128 and 256 keep their default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against
 /// 0.32 ms with the default 64-key tile; no mask, f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session):
 /// (4,32,4096,64) 405–416 / 408–444 against 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal
@@ -823,38 +823,6 @@ inline bool hopper_takes_whole_rows(const band_mask& m, index_t seq_q) {
          seq_q <= hopper_whole_row_tile<64>::type::block_m;
 }
 inline bool hopper_takes_whole_rows(const block_sparse_mask&, index_t) { return false; }
-
-/// The Hopper tile for unmasked head_dim 64 calls with many work items (hopper_takes_unmasked_tile): three consumer
-/// warpgroups (192-row blocks) that take turns on the tensor cores (hopper_tile::take_turns), 128-key tiles. At
-/// head_dim 64 a warpgroup's softmax of a tile takes about as long as its two products, and the two warpgroups of
-/// hopper_whole_row_tile run both in step (ncu, H200, (4,32,4096,64): tensor pipe 48 %, exponential unit 50 %
-/// busy); with three taking turns, one warpgroup's products run while the other two exponentiate (54 % / 56 %).
-/// H200, f16/bf16 TFLOP/s, three against two warpgroups in alternated rounds (docs/PERFORMANCE.md, eighth
-/// session): (8,32,512,64) 298–304 / 283–284; (8,32,1024,64) 382–384 / 367–372; (4,32,2048,64) 429–449 / 390–413;
-/// (4,32,4096,64) 418–464 / 414–432; (2,32,8192,64) 443–477 / 427–442; but (1,32,512,64), 96 items on 132
-/// multiprocessors, 110–126 against 119–135: fewer, larger items leave SMs idle.
-template <int HeadDim>
-struct hopper_unmasked_tile {
-  using type = typename hopper_whole_row_tile<HeadDim>::type;
-};
-template <>
-struct hopper_unmasked_tile<64> {
-  using type = hopper_tile<64, 128, 1, 3>;
-};
-/// Fewest rounds of hopper_unmasked_tile's work items over the multiprocessors for it to be taken (with at least
-/// two rounds flash_splits never splits the keys, so the tile has no split-KV path to serve).
-inline constexpr int hopper_unmasked_min_rounds = 2;
-/// True for a call without a mask (and not decode-like) whose work items in hopper_unmasked_tile<64>'s blocks fill
-/// at least hopper_unmasked_min_rounds rounds of the device's multiprocessors.
-inline bool hopper_takes_unmasked_tile(const band_mask& m, index_t batch, index_t heads, index_t seq_q,
-                                       int multiprocessors) {
-  using tile = hopper_unmasked_tile<64>::type;
-  const index_t items = (seq_q + tile::block_m - 1) / tile::block_m * heads * batch;
-  return m.lo == -band_mask::unbounded && m.hi == band_mask::unbounded &&
-         seq_q > hopper_whole_row_tile<64>::type::block_m &&
-         items >= index_t(hopper_unmasked_min_rounds) * multiprocessors;
-}
-inline bool hopper_takes_unmasked_tile(const block_sparse_mask&, index_t, index_t, index_t, int) { return false; }
 
 /// How the warp-specialised kernel's work items (q-block, head, batch) reach its blocks. A persistent grid (one
 /// block per SM walking the items) overlaps the next item's loads with the current one's work; one block per item
@@ -879,6 +847,44 @@ inline hopper_schedule hopper_schedule_for(const band_mask& m, index_t items, in
   return {false, false};
 }
 inline hopper_schedule hopper_schedule_for(const block_sparse_mask&, index_t, int) { return {true, false}; }
+
+/// The Hopper tile for head_dim 64 calls with many work items (hopper_takes_turns_tile): three consumer warpgroups
+/// (192-row blocks) that take turns on the tensor cores (hopper_tile::take_turns), 128-key tiles. At head_dim 64 a
+/// warpgroup's softmax of a tile takes about as long as its two products, and the two warpgroups of
+/// hopper_whole_row_tile run both in step (ncu, H200, (4,32,4096,64): tensor pipe 48 %, exponential unit 50 %
+/// busy); with three taking turns, one warpgroup's products run while the other two exponentiate (54 % / 56 %).
+/// H200, f16/bf16 TFLOP/s, three against two warpgroups in alternated rounds (docs/PERFORMANCE.md, eighth
+/// session): (8,32,512,64) 298–304 / 283–284; (8,32,1024,64) 382–384 / 367–372; (4,32,2048,64) 429–449 / 390–413;
+/// (4,32,4096,64) 418–464 / 414–432; (2,32,8192,64) 443–477 / 427–442; but (1,32,512,64), 96 items on 132
+/// multiprocessors, 110–126 against 119–135: fewer, larger items leave SMs idle. Causal, one block per item, against
+/// two blocks per SM of hopper_default_tile<64> (tenth session, call s12-12): (4,32,4096,64) 386–393 / 397–399
+/// against 372–377 / 384–385.
+template <int HeadDim>
+struct hopper_turns_tile {
+  using type = typename hopper_whole_row_tile<HeadDim>::type;
+};
+template <>
+struct hopper_turns_tile<64> {
+  using type = hopper_tile<64, 128, 1, 3>;
+};
+/// Fewest rounds of hopper_turns_tile's work items over the multiprocessors for it to take an unmasked call (with at
+/// least two rounds flash_splits never splits the keys, so the tile has no split-KV path to serve).
+inline constexpr int hopper_turns_min_rounds = 2;
+/// True for a head_dim 64 call with more than one q-block of hopper_whole_row_tile<64> per head that either has no
+/// mask and whose items in hopper_turns_tile<64>'s blocks fill at least hopper_turns_min_rounds rounds of the
+/// device's multiprocessors, or is causal (either alignment: a band without a lower limit) with more than
+/// hopper_banded_rounds rounds, so that hopper_schedule_for gives it one block per item. A window, and causal calls
+/// of fewer items (a persistent grid, whose long and short items the two-blocks kernel balances better), keep
+/// hopper_default_tile<64>.
+inline bool hopper_takes_turns_tile(const band_mask& m, index_t batch, index_t heads, index_t seq_q,
+                                    int multiprocessors) {
+  using tile = hopper_turns_tile<64>::type;
+  if (m.lo != -band_mask::unbounded || seq_q <= hopper_whole_row_tile<64>::type::block_m) return false;
+  const index_t items = (seq_q + tile::block_m - 1) / tile::block_m * heads * batch;
+  if (m.hi == band_mask::unbounded) return items >= index_t(hopper_turns_min_rounds) * multiprocessors;
+  return items > index_t(hopper_banded_rounds) * multiprocessors;
+}
+inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, index_t, int) { return false; }
 
 /// Launches the Hopper kernel of `Tile` (hopper_flash_ready must have said yes): flash_hopper_ws_kernel for a tile
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
