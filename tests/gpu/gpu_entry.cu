@@ -46,6 +46,19 @@ status upload_status(const block_layout_view& layout) {
   return cuda::upload(layout, dev);
 }
 
+namespace {
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+}  // namespace
+
+status spin(int microseconds) {
+  spin_kernel<<<1, 1>>>(2000LL * microseconds);
+  return cuda_backend::from_cuda(cudaGetLastError(), "spin_kernel");
+}
+
 status synchronize() {
   if (status st = cuda_backend::from_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !st) return st;
   return cuda_backend::from_cuda(cudaGetLastError(), "a kernel");

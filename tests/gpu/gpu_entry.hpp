@@ -40,6 +40,10 @@ status upload_status(const block_layout_view& layout);
 /// Which kernel policy::cuda_kernel::flash runs on the current device (gpu_second_unit.cu).
 const char* flash_kernel_name();
 
+/// Queues a kernel on the default stream that spins one thread for about `microseconds` (at most 2 GHz), so that
+/// the calls queued after it wait on the device while the host goes on.
+status spin(int microseconds);
+
 /// cudaDeviceSynchronize (and the last error) as a status: where an asynchronous kernel fault shows.
 status synchronize();
 

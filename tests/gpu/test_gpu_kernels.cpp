@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -469,6 +470,56 @@ TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{});
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bhsd, causal{align::bottom_right});
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, window{150, 0, align::bottom_right});
+}
+
+// Block-sparse calls with a layout copied per call, queued behind a 20 ms kernel with no synchronisation between
+// them: each call's host layout is freed as soon as the call returns, while the device has not yet run its copy;
+// layouts of different sizes, each call with its own inputs and outputs.
+TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at once", "[gpu][block_sparse]") {
+  using T = Eigen::half;
+  const problem p{1, 4, 2, 300, 700, 128};
+  const block_geometry g{300, 700, 128, 64, 1, 4};
+  constexpr int calls = 13;
+  std::vector<std::unique_ptr<attention_case<T>>> cases;
+  std::vector<block_layout> layouts;
+  std::vector<std::unique_ptr<gpu::device_buffer<T>>> buffers;  // q, k, v, o of each call
+  std::vector<std::unique_ptr<gpu::device_buffer<float>>> lses;
+  REQUIRE(gpu::spin(20000).ok());
+  for (int i = 0; i < calls; ++i) {
+    const std::uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    cases.push_back(std::make_unique<attention_case<T>>(p, layout::bshd, rng));
+    attention_case<T>& c = *cases.back();
+    const double sparsity = 0.1 + 0.8 * (i % 5) / 4.0;
+    layouts.push_back(random_layout(g, sparsity, seed));
+    for (const std::vector<T>* host : {&c.q.buf, &c.k.buf, &c.v.buf, &c.o.buf})
+      buffers.push_back(std::make_unique<gpu::device_buffer<T>>(*host));
+    lses.push_back(std::make_unique<gpu::device_buffer<float>>(std::vector<float>(std::size_t(p.lse_size()), 7.0f)));
+    const auto dev = [&](int j) { return buffers[std::size_t(4 * i + j)]->data(); };
+    REQUIRE((dev(0) && dev(1) && dev(2) && dev(3) && lses.back()->ok()));
+    const block_layout passed = random_layout(g, sparsity, seed);  // the same layout, freed when the call returns
+    const status st = gpu::attend_cuda<T>(cuda_kernel::flash, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), dev(0)),
+                                          gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), dev(1)),
+                                          gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), dev(2)),
+                                          gpu::on_device<T>(c.o.view, c.o.buf.data(), dev(3)), block_sparse{passed},
+                                          lses.back()->data());
+    INFO(st.what());
+    REQUIRE(st.ok());
+  }
+  const status sync = gpu::synchronize();
+  INFO(sync.what());
+  REQUIRE(sync.ok());
+  for (int i = 0; i < calls; ++i) {
+    attention_case<T>& c = *cases[std::size_t(i)];
+    buffers[std::size_t(4 * i + 3)]->copy_to(c.o.buf);
+    std::vector<float> lse(std::size_t(p.lse_size()));
+    lses[std::size_t(i)]->copy_to(lse);
+    const expected e = expect(c, bind(block_sparse{layouts[std::size_t(i)]}, p));
+    INFO("call " << i << " of " << calls << ", " << layouts[std::size_t(i)].view().n_cols << " listed blocks");
+    CHECK(max_abs_error(c.o.view, e.ref.o) <= e.tolerance);
+    CHECK(relative_error(c.o.view, e.ref.o) <= relative_bound<T>());
+    CHECK(max_lse_error(lse, e.ref.lse) <= e.lse_tolerance);
+  }
 }
 
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,
