@@ -460,7 +460,8 @@ TEMPLATE_TEST_CASE("cuda flash: items of one to many key tiles in turn in a bloc
 // rounds) stay on the two-blocks-per-SM kernel, one block per 128-row q-block (the same shape on the
 // three-warpgroup turns tile passed too: H200 call s12-12); 1120 items of 192 rows (more than 8 rounds) take the
 // turns tile for causal, one block per item (hopper_takes_turns_tile), with q-tails (200 = 192 + 8), keys past the
-// queries on both alignments and GQA; the window stays on the two-blocks kernel.
+// queries on both alignments and GQA, and 1080 items bottom-right with more queries than keys (the first 300 rows
+// see no key: items without a key tile, O = 0 and lse = −inf); the window stays on the two-blocks kernel.
 TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu][flash]") {
   const problem p{1, 132, 2, 385, 385, 64};
   check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bshd, causal{});
@@ -470,6 +471,8 @@ TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu
   check_gpu<Eigen::bfloat16>(cuda_kernel::flash, many, layout::bshd, causal{});
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bhsd, causal{align::bottom_right});
   check_gpu<Eigen::half>(cuda_kernel::flash, many, layout::bshd, window{150, 0, align::bottom_right});
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, problem{1, 360, 4, 400, 100, 64}, layout::bshd,
+                             causal{align::bottom_right});
 }
 
 // Block-sparse calls with a layout copied per call, queued behind a 20 ms kernel with no synchronisation between
