@@ -38,14 +38,25 @@ void check(const fa::status& st) {
   }
 }
 
+/// Spins one thread for `cycles` clock cycles: queued before a timed call, it hides the host's work for the call.
+__global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+/// Median ms of `f()` between two events (5 warm-up calls, 60 timed). With `spin_cycles` > 0 the events are queued
+/// behind a spin kernel of that many cycles, so the host's work for the call is done before the first event: the
+/// GPU's time for the call alone.
 template <class F>
-double median_ms(F f) {
+double median_ms(F f, long long spin_cycles = 0) {
   cudaEvent_t a, b;
   check(cudaEventCreate(&a));
   check(cudaEventCreate(&b));
   for (int i = 0; i < 5; ++i) f();
   std::vector<float> ms;
   for (int i = 0; i < 60; ++i) {
+    if (spin_cycles > 0) spin<<<1, 1>>>(spin_cycles);
     check(cudaEventRecord(a));
     f();
     check(cudaEventRecord(b));
@@ -89,43 +100,12 @@ struct operands {
   }
 };
 
-/// Spins one thread for `cycles` clock cycles: queued before a timed call, it hides the host's work for the call.
-__global__ void spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-
 /// Host microseconds of `f()`, averaged over `n` runs.
 template <class F>
 double host_us(F f, int n) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) f();
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
-}
-
-/// Median ms of `f()` between two events queued behind a spin kernel of ~0.5 ms: the GPU's time for the call alone.
-template <class F>
-double median_gpu_ms(F f) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a));
-  check(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> ms;
-  for (int i = 0; i < 60; ++i) {
-    spin<<<1, 1>>>(1000000);
-    check(cudaEventRecord(a));
-    f();
-    check(cudaEventRecord(b));
-    check(cudaEventSynchronize(b));
-    float t = 0;
-    check(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 fa::block_layout layout_for(int h, int s, double sparsity) {
@@ -227,7 +207,7 @@ int main(int argc, char** argv) {
         check(cudaDeviceSynchronize());
       }
       std::sort(busy.begin(), busy.end());
-      const double bench = median_ms(f), gpu = median_gpu_ms(f);
+      const double bench = median_ms(f), gpu = median_ms(f, 1000000);
       std::printf("%-22s host %6.1f us a call (50 queued), %6.1f us behind a busy device; per call %.4f ms as the "
                   "bench times it, %.4f ms behind a spin kernel\n",
                   name, queued, busy[busy.size() / 2], bench, gpu);
