@@ -484,28 +484,37 @@ TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at on
   const block_geometry g{300, 700, 128, 64, 1, 4};
   constexpr int calls = 13;
   std::vector<std::unique_ptr<attention_case<T>>> cases;
-  std::vector<block_layout> layouts;
+  std::vector<std::uint64_t> seeds;
+  std::vector<block_layout> layouts;                              // for the oracle
   std::vector<std::unique_ptr<gpu::device_buffer<T>>> buffers;  // q, k, v, o of each call
   std::vector<std::unique_ptr<gpu::device_buffer<float>>> lses;
+  const auto sparsity = [](int i) { return 0.1 + 0.8 * (i % 5) / 4.0; };
+  // Every buffer first: their synchronous copies would otherwise wait for the queued calls.
+  for (int i = 0; i < calls; ++i) {
+    seeds.push_back(fresh_seed());
+    std::mt19937_64 rng(seeds.back());
+    cases.push_back(std::make_unique<attention_case<T>>(p, layout::bshd, rng));
+    const attention_case<T>& c = *cases.back();
+    layouts.push_back(random_layout(g, sparsity(i), seeds.back()));
+    for (const std::vector<T>* host : {&c.q.buf, &c.k.buf, &c.v.buf, &c.o.buf}) {
+      buffers.push_back(std::make_unique<gpu::device_buffer<T>>(*host));
+      REQUIRE(buffers.back()->ok());
+    }
+    lses.push_back(std::make_unique<gpu::device_buffer<float>>(std::vector<float>(std::size_t(p.lse_size()), 7.0f)));
+    REQUIRE(lses.back()->ok());
+  }
+  REQUIRE(gpu::synchronize().ok());
   REQUIRE(gpu::spin(20000).ok());
   for (int i = 0; i < calls; ++i) {
-    const std::uint64_t seed = fresh_seed();
-    std::mt19937_64 rng(seed);
-    cases.push_back(std::make_unique<attention_case<T>>(p, layout::bshd, rng));
-    attention_case<T>& c = *cases.back();
-    const double sparsity = 0.1 + 0.8 * (i % 5) / 4.0;
-    layouts.push_back(random_layout(g, sparsity, seed));
-    for (const std::vector<T>* host : {&c.q.buf, &c.k.buf, &c.v.buf, &c.o.buf})
-      buffers.push_back(std::make_unique<gpu::device_buffer<T>>(*host));
-    lses.push_back(std::make_unique<gpu::device_buffer<float>>(std::vector<float>(std::size_t(p.lse_size()), 7.0f)));
+    attention_case<T>& c = *cases[std::size_t(i)];
     const auto dev = [&](int j) { return buffers[std::size_t(4 * i + j)]->data(); };
-    REQUIRE((dev(0) && dev(1) && dev(2) && dev(3) && lses.back()->ok()));
-    const block_layout passed = random_layout(g, sparsity, seed);  // the same layout, freed when the call returns
-    const status st = gpu::attend_cuda<T>(cuda_kernel::flash, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), dev(0)),
-                                          gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), dev(1)),
-                                          gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), dev(2)),
-                                          gpu::on_device<T>(c.o.view, c.o.buf.data(), dev(3)), block_sparse{passed},
-                                          lses.back()->data());
+    const block_layout passed = random_layout(g, sparsity(i), seeds[std::size_t(i)]);  // freed when the call returns
+    const status st =
+        gpu::attend_cuda<T>(cuda_kernel::flash, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), dev(0)),
+                            gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), dev(1)),
+                            gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), dev(2)),
+                            gpu::on_device<T>(c.o.view, c.o.buf.data(), dev(3)), block_sparse{passed},
+                            lses[std::size_t(i)]->data());
     INFO(st.what());
     REQUIRE(st.ok());
   }
@@ -518,7 +527,8 @@ TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at on
     std::vector<float> lse(std::size_t(p.lse_size()));
     lses[std::size_t(i)]->copy_to(lse);
     const expected e = expect(c, bind(block_sparse{layouts[std::size_t(i)]}, p));
-    INFO("call " << i << " of " << calls << ", " << layouts[std::size_t(i)].view().n_cols << " listed blocks");
+    INFO("call " << i << " of " << calls << ", " << layouts[std::size_t(i)].view().n_cols << " listed blocks, seed "
+                 << seeds[std::size_t(i)]);
     CHECK(max_abs_error(c.o.view, e.ref.o) <= e.tolerance);
     CHECK(relative_error(c.o.view, e.ref.o) <= relative_bound<T>());
     CHECK(max_lse_error(lse, e.ref.lse) <= e.lse_tolerance);

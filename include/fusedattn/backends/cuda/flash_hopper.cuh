@@ -18,10 +18,10 @@
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, and 64 where every q-block sees every
 ///     key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
-///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer warpgroup issues every copy (Q
-///     too) into buffers that "empty" mbarriers hand back, the consumer warpgroups compute with no block barrier
-///     and write O by TMA, items walked by a persistent grid (no mask, block-sparse; causal and window with few
-///     items a block, dealt q-block first: hopper_schedule_for) or one block each;
+///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer
+///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
+///     compute with no block barrier and write O by TMA, items walked by a persistent grid (no mask, block-sparse;
+///     causal and window with few items a block, dealt q-block first: hopper_schedule_for) or one block each;
 ///   flash_hopper_kernel (tiles of two blocks per SM: the other head_dim 64 calls) — every warp computes, Q by
 ///     cp.async, one block barrier per key tile guards the buffers.
 #pragma once
