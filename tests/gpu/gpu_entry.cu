@@ -36,6 +36,48 @@ status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor
   return st ? sync : st;
 }
 
+template <class T>
+status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                         tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse, int replays,
+                         bool uploaded) {
+  using cuda_backend::from_cuda;
+  cuda::device_block_layout layout;  // outlives the graph's runs
+  if (uploaded) {
+    const block_sparse* sparse = std::get_if<block_sparse>(&mask);
+    if (sparse == nullptr) return status::invalid("attend_cuda_graph: uploaded needs a block_sparse mask");
+    if (status st = cuda::upload(sparse->layout, layout); !st) return st;
+  }
+  cudaStream_t stream = nullptr;
+  if (status st = from_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); !st)
+    return st;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  const auto capture = [&]() -> status {
+    if (status st = from_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+        !st)
+      return st;
+    const policy::cuda pol{stream, kernel};
+    const status called =
+        uploaded ? attend(pol, p, q, k, v, o, cuda::device_block_sparse{layout, std::get<block_sparse>(mask).within}, lse)
+                 : attend(pol, p, q, k, v, o, mask, lse);
+    const status ended = from_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    return !called ? called : ended;
+  };
+  const auto run = [&]() -> status {
+    if (status st = from_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"); !st) return st;
+    for (int r = 0; r < replays; ++r)
+      if (status st = from_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch"); !st) return st;
+    return from_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  };
+  const status captured = capture();
+  const status result = captured ? run() : captured;
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaGetLastError();
+  return result;
+}
+
 status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,
                         tensor_ref<const float> v, tensor_ref<float> o, float* lse) {
   return attend(policy::cpu_naive{1}, p, q, k, v, o, dense{}, lse);
@@ -72,7 +114,10 @@ status trim_scratch(std::size_t keep_bytes) { return cuda::trim_scratch(keep_byt
                                  tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);              \
   template status attend_cuda_uploaded<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,              \
                                           tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>,               \
-                                          const block_sparse&, float*, bool);
+                                          const block_sparse&, float*, bool);                                  \
+  template status attend_cuda_graph<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,                 \
+                                       tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>, const any_mask&,  \
+                                       float*, int, bool);
 FUSEDATTN_GPU_ENTRY(Eigen::half)
 FUSEDATTN_GPU_ENTRY(Eigen::bfloat16)
 FUSEDATTN_GPU_ENTRY(float)

@@ -29,6 +29,15 @@ status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor
                             tensor_ref<const T> v, tensor_ref<T> o, const block_sparse& mask, float* lse,
                             bool skip_upload = false);
 
+/// The same call captured on a stream of its own into a CUDA graph (cudaStreamCaptureModeGlobal), then the graph
+/// launched `replays` times and the stream synchronised. With `uploaded` the mask must be a block_sparse, whose
+/// layout is uploaded before the capture and passed as cuda::device_block_sparse. Returns attend's status at capture
+/// (the capture is ended either way), else the first failing CUDA call's.
+template <class T>
+status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                         tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse, int replays,
+                         bool uploaded = false);
+
 /// attend(policy::cpu_naive{1}, ..., dense{}) compiled by nvcc, i.e. with the backend, which can tell that
 /// device pointers were handed to a CPU policy.
 status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,

@@ -64,9 +64,11 @@ bool gaps_untouched(const tensor_ref<T>& v, const std::vector<T>& now, const std
 }
 
 /// Outputs of one kernel run on the device for a case (O copied back into the case's host buffer). With `uploaded`
-/// the mask must be a block_sparse; its layout is uploaded once and passed as cuda::device_block_sparse.
+/// the mask must be a block_sparse; its layout is uploaded once and passed as cuda::device_block_sparse. With
+/// `graph_replays` > 0 the call is captured into a CUDA graph, which runs that many times (gpu::attend_cuda_graph).
 template <class T>
-std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask, bool uploaded = false) {
+std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask, bool uploaded = false,
+                                 int graph_replays = 0) {
   const problem& p = c.p;
   gpu::device_buffer<T> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
   std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 123.0f);
@@ -77,8 +79,10 @@ std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const
   const auto vd = gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data());
   const auto od = gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data());
   REQUIRE((!uploaded || std::holds_alternative<block_sparse>(mask)));
-  const status st = uploaded ? gpu::attend_cuda_uploaded<T>(kernel, p, qd, kd, vd, od, std::get<block_sparse>(mask), lse_d.data())
-                             : gpu::attend_cuda<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data());
+  const status st =
+      graph_replays > 0 ? gpu::attend_cuda_graph<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data(), graph_replays, uploaded)
+      : uploaded        ? gpu::attend_cuda_uploaded<T>(kernel, p, qd, kd, vd, od, std::get<block_sparse>(mask), lse_d.data())
+                        : gpu::attend_cuda<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data());
   INFO(st.what());
   REQUIRE(st.ok());
   const status sync = gpu::synchronize();
@@ -92,14 +96,16 @@ std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const
 /// One kernel on a fresh random case against the float64 oracle: O (absolute tolerance of the CPU suite and a
 /// relative bound), lse, and the gaps of a padded O left alone.
 template <class T>
-void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask, bool uploaded = false) {
+void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask, bool uploaded = false,
+               int graph_replays = 0) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   attention_case<T> c(p, l, rng);
   INFO(kernel_name(kernel) << " " << scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " "
-                           << layout_name(l) << (uploaded ? " (device layout)" : "") << " seed=" << seed);
+                           << layout_name(l) << (uploaded ? " (device layout)" : "")
+                           << (graph_replays > 0 ? " (in a CUDA graph)" : "") << " seed=" << seed);
   const std::vector<T> o_before = c.o.buf;
-  const std::vector<float> lse = run_on_device(kernel, c, mask, uploaded);
+  const std::vector<float> lse = run_on_device(kernel, c, mask, uploaded, graph_replays);
   const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, p)); }, mask);
   const double err = max_abs_error(c.o.view, e.ref.o);
   INFO("max error " << err << " tolerance " << e.tolerance);
@@ -533,6 +539,46 @@ TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at on
     CHECK(relative_error(c.o.view, e.ref.o) <= relative_bound<T>());
     CHECK(max_lse_error(lse, e.ref.lse) <= e.lse_tolerance);
   }
+}
+
+// Calls captured into a CUDA graph on a stream of their own, the graph then run twice: the Hopper kernels (the
+// warp-specialised one on a persistent grid, the two-blocks one), split-KV decode (its scratch an allocation node of
+// the graph), the portable kernel, the naive cuBLAS pipeline, and block-sparse through an uploaded layout. A layout
+// copied per call cannot be captured (the graph would copy from the call's freed buffer): refused, nothing written.
+TEMPLATE_TEST_CASE("cuda calls captured into a CUDA graph match the float64 oracle", "[gpu][graph]", Eigen::half,
+                   Eigen::bfloat16) {
+  check_gpu<TestType>(cuda_kernel::flash, problem{1, 8, 2, 300, 520, 128}, layout::bshd, dense{}, false, 2);
+  check_gpu<TestType>(cuda_kernel::flash, problem{2, 4, 4, 300, 300, 64}, layout::bhsd, causal{}, false, 2);
+  check_gpu<TestType>(cuda_kernel::flash, problem{1, 4, 1, 1, 6000, 64}, layout::bhsd, dense{}, false, 2);
+  check_gpu<TestType>(cuda_kernel::flash_mma_sync, problem{1, 2, 2, 129, 300, 128}, layout::bshd, window{40, 10},
+                      false, 2);
+  check_gpu<TestType>(cuda_kernel::naive, problem{1, 2, 1, 200, 333, 64}, layout::bhsd, causal{align::bottom_right},
+                      false, 2);
+  const problem sp{1, 2, 2, 300, 520, 128};
+  const block_layout layout = random_layout(block_geometry{300, 520, 128, 128, 1, 2}, 0.5, fresh_seed());
+  check_gpu<TestType>(cuda_kernel::flash, sp, layout::bshd, block_sparse{layout, causal{}}, true, 2);
+
+  std::mt19937_64 rng(fresh_seed());
+  attention_case<TestType> c(sp, layout::bshd, rng);
+  gpu::device_buffer<TestType> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
+  std::vector<float> lse(static_cast<std::size_t>(sp.lse_size()), 123.0f);
+  gpu::device_buffer<float> lse_d(lse);
+  REQUIRE((q.ok() && k.ok() && v.ok() && o.ok() && lse_d.ok()));
+  const status st = gpu::attend_cuda_graph<TestType>(
+      cuda_kernel::flash, sp, gpu::on_device<const TestType>(c.q.cview(), c.q.buf.data(), q.data()),
+      gpu::on_device<const TestType>(c.k.cview(), c.k.buf.data(), k.data()),
+      gpu::on_device<const TestType>(c.v.cview(), c.v.buf.data(), v.data()),
+      gpu::on_device<TestType>(c.o.view, c.o.buf.data(), o.data()), block_sparse{layout}, lse_d.data(), 1);
+  INFO(st.what());
+  CHECK(st.code() == errc::unsupported);
+  CHECK(std::string(st.what()).find("cuda::upload") != std::string::npos);
+  REQUIRE(gpu::synchronize().ok());
+  std::vector<TestType> o_back(c.o.buf.size());
+  o.copy_to(o_back);
+  CHECK(o_back == c.o.buf);
+  std::vector<float> lse_back(lse.size());
+  lse_d.copy_to(lse_back);
+  CHECK(lse_back == lse);
 }
 
 TEMPLATE_TEST_CASE("cuda block_sparse(every block) == dense flash", "[gpu][block_sparse][flash]", Eigen::half,

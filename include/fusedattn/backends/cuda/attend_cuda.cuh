@@ -79,9 +79,17 @@ inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
 }
 
 /// A copy of a block-sparse mask whose CSR arrays live in device memory: one allocation (freed with `arena`, in
-/// stream order) and one copy of the packed arrays.
+/// stream order) and one copy of the packed arrays. Refused (errc::unsupported) while `stream` is being captured
+/// into a CUDA graph: the graph would read the copy's source, a buffer of this call, when it runs.
 inline status layout_to_device(const block_sparse_mask& host, scratch_arena& arena, cudaStream_t stream,
                                block_sparse_mask& dev) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (status st = from_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing"); !st) return st;
+  if (capture != cudaStreamCaptureStatusNone)
+    return {errc::unsupported,
+            "block_sparse{layout} on policy::cuda copies the layout from host memory inside the call, which a CUDA "
+            "graph cannot capture (the graph would read the copy's source when it runs, after the call has freed "
+            "it); upload the layout once (cuda::upload) and pass cuda::device_block_sparse"};
   const index_t rows = host.pattern_batch * host.pattern_heads * host.n_q_blocks;
   const packed_layout pk = pack_layout(rows, host.row_offsets, host.cols, host.run_offsets, host.runs);
   unsigned char* d = nullptr;

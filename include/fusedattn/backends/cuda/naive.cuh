@@ -109,7 +109,10 @@ __global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P*
   if (lse != nullptr && threadIdx.x == 0) lse[r] = l > 0 ? static_cast<float>(m + log(l)) : -INFINITY;
 }
 
-/// The cuBLAS handle of this host thread for the current device, created on first use.
+/// The cuBLAS handle of this host thread for the current device, created on first use. A first use inside a stream
+/// capture creates it in the thread's relaxed capture mode: cublasCreate allocates and frees device memory, which
+/// the global and thread-local modes forbid while a stream is captured (cudaErrorStreamCaptureUnsupported), and
+/// which belongs to the handle, not to the graph.
 inline status cublas_handle(cublasHandle_t& out) {
   struct handles {
     std::vector<cublasHandle_t> by_device;
@@ -122,8 +125,17 @@ inline status cublas_handle(cublasHandle_t& out) {
   int device = 0;
   if (status st = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !st) return st;
   if (cache.by_device.size() <= std::size_t(device)) cache.by_device.resize(std::size_t(device) + 1, nullptr);
-  if (cache.by_device[std::size_t(device)] == nullptr)
-    if (status st = from_cublas(cublasCreate(&cache.by_device[std::size_t(device)]), "cublasCreate"); !st) return st;
+  if (cache.by_device[std::size_t(device)] == nullptr) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (status st = from_cuda(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode"); !st)
+      return st;
+    const cublasStatus_t created = cublasCreate(&cache.by_device[std::size_t(device)]);
+    cudaThreadExchangeStreamCaptureMode(&mode);  // the thread's mode back
+    if (status st = from_cublas(created, "cublasCreate"); !st) {
+      cache.by_device[std::size_t(device)] = nullptr;
+      return st;
+    }
+  }
   out = cache.by_device[std::size_t(device)];
   return {};
 }
