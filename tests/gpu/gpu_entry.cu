@@ -78,6 +78,20 @@ status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_re
   return result;
 }
 
+template <class T>
+status attend_cuda_own_stream(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q,
+                              tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask,
+                              float* lse) {
+  using cuda_backend::from_cuda;
+  cudaStream_t stream = nullptr;
+  if (status st = from_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); !st)
+    return st;
+  const status called = attend(policy::cuda{stream, kernel}, p, q, k, v, o, mask, lse);
+  const status synced = from_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  cudaStreamDestroy(stream);
+  return !called ? called : synced;
+}
+
 status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,
                         tensor_ref<const float> v, tensor_ref<float> o, float* lse) {
   return attend(policy::cpu_naive{1}, p, q, k, v, o, dense{}, lse);
@@ -117,7 +131,10 @@ status trim_scratch(std::size_t keep_bytes) { return cuda::trim_scratch(keep_byt
                                           const block_sparse&, float*, bool);                                  \
   template status attend_cuda_graph<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,                 \
                                        tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>, const any_mask&,  \
-                                       float*, int, bool);
+                                       float*, int, bool);                                                  \
+  template status attend_cuda_own_stream<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,            \
+                                            tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>,             \
+                                            const any_mask&, float*);
 FUSEDATTN_GPU_ENTRY(Eigen::half)
 FUSEDATTN_GPU_ENTRY(Eigen::bfloat16)
 FUSEDATTN_GPU_ENTRY(float)

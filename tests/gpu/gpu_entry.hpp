@@ -38,6 +38,13 @@ status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_re
                          tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse, int replays,
                          bool uploaded = false);
 
+/// attend(policy::cuda{stream, kernel}, ...) on a non-blocking stream of its own, created, synchronised and destroyed
+/// here: for calls from several host threads at once. Returns the first failing status.
+template <class T>
+status attend_cuda_own_stream(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q,
+                              tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask,
+                              float* lse);
+
 /// attend(policy::cpu_naive{1}, ..., dense{}) compiled by nvcc, i.e. with the backend, which can tell that
 /// device pointers were handed to a CPU policy.
 status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,
