@@ -64,6 +64,30 @@ bool gaps_untouched(const tensor_ref<T>& v, const std::vector<T>& now, const std
   return true;
 }
 
+/// Device copies of a case's Q, K, V and O and an lse buffer filled with `lse_fill`, with the case's views over them.
+/// Tests that queue calls or run them from several threads make every call's copies first (their synchronous copies
+/// would otherwise wait for the queued work); `read` copies O back into the case and returns lse.
+template <class T>
+struct device_copy {
+  attention_case<T>& c;
+  gpu::device_buffer<T> q, k, v, o;
+  gpu::device_buffer<float> lse;
+  device_copy(attention_case<T>& ca, float lse_fill)
+      : c(ca), q(ca.q.buf), k(ca.k.buf), v(ca.v.buf), o(ca.o.buf),
+        lse(std::vector<float>(static_cast<std::size_t>(ca.p.lse_size()), lse_fill)) {}
+  bool ok() const { return q.ok() && k.ok() && v.ok() && o.ok() && lse.ok(); }
+  tensor_ref<const T> qd() const { return gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), q.data()); }
+  tensor_ref<const T> kd() const { return gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), k.data()); }
+  tensor_ref<const T> vd() const { return gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data()); }
+  tensor_ref<T> od() const { return gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data()); }
+  std::vector<float> read() const {
+    o.copy_to(c.o.buf);
+    std::vector<float> out(static_cast<std::size_t>(c.p.lse_size()));
+    lse.copy_to(out);
+    return out;
+  }
+};
+
 /// Outputs of one kernel run on the device for a case (O copied back into the case's host buffer). With `uploaded`
 /// the mask must be a block_sparse; its layout is uploaded once and passed as cuda::device_block_sparse. With
 /// `graph_replays` > 0 the call is captured into a CUDA graph, which runs that many times (gpu::attend_cuda_graph).
@@ -71,31 +95,41 @@ template <class T>
 std::vector<float> run_on_device(cuda_kernel kernel, attention_case<T>& c, const any_mask& mask, bool uploaded = false,
                                  int graph_replays = 0) {
   const problem& p = c.p;
-  gpu::device_buffer<T> q(c.q.buf), k(c.k.buf), v(c.v.buf), o(c.o.buf);
-  std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 123.0f);
-  gpu::device_buffer<float> lse_d(lse);
-  REQUIRE((q.ok() && k.ok() && v.ok() && o.ok() && lse_d.ok()));
-  const auto qd = gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), q.data());
-  const auto kd = gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), k.data());
-  const auto vd = gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), v.data());
-  const auto od = gpu::on_device<T>(c.o.view, c.o.buf.data(), o.data());
+  const device_copy<T> d(c, 123.0f);
+  REQUIRE(d.ok());
   REQUIRE((!uploaded || std::holds_alternative<block_sparse>(mask)));
+  float* lse = d.lse.data();
   const status st =
-      graph_replays > 0 ? gpu::attend_cuda_graph<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data(), graph_replays, uploaded)
-      : uploaded        ? gpu::attend_cuda_uploaded<T>(kernel, p, qd, kd, vd, od, std::get<block_sparse>(mask), lse_d.data())
-                        : gpu::attend_cuda<T>(kernel, p, qd, kd, vd, od, mask, lse_d.data());
+      graph_replays > 0 ? gpu::attend_cuda_graph<T>(kernel, p, d.qd(), d.kd(), d.vd(), d.od(), mask, lse, graph_replays,
+                                                    uploaded)
+      : uploaded ? gpu::attend_cuda_uploaded<T>(kernel, p, d.qd(), d.kd(), d.vd(), d.od(), std::get<block_sparse>(mask),
+                                                lse)
+                 : gpu::attend_cuda<T>(kernel, p, d.qd(), d.kd(), d.vd(), d.od(), mask, lse);
   INFO(st.what());
   REQUIRE(st.ok());
   const status sync = gpu::synchronize();
   INFO(sync.what());
   REQUIRE(sync.ok());
-  o.copy_to(c.o.buf);
-  lse_d.copy_to(lse);
-  return lse;
+  return d.read();
 }
 
-/// One kernel on a fresh random case against the float64 oracle: O (absolute tolerance of the CPU suite and a
-/// relative bound), lse, and the gaps of a padded O left alone.
+/// O of a case (absolute tolerance of the CPU suite and a relative bound) and its lse against the float64 oracle.
+template <class T>
+void check_outputs(const attention_case<T>& c, const any_mask& mask, const std::vector<float>& lse) {
+  const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, c.p)); }, mask);
+  const double err = max_abs_error(c.o.view, e.ref.o);
+  INFO("max error " << err << " tolerance " << e.tolerance);
+  CHECK(err <= e.tolerance);
+  const double rel = relative_error(c.o.view, e.ref.o);
+  INFO("relative error " << rel << " bound " << relative_bound<T>());
+  CHECK(rel <= relative_bound<T>());
+  const double lse_err = max_lse_error(lse, e.ref.lse);
+  INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance);
+  CHECK(lse_err <= e.lse_tolerance);
+}
+
+/// One kernel on a fresh random case against the float64 oracle (check_outputs), and the gaps of a padded O left
+/// alone.
 template <class T>
 void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& mask, bool uploaded = false,
                int graph_replays = 0) {
@@ -106,17 +140,7 @@ void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& m
                            << layout_name(l) << (uploaded ? " (device layout)" : "")
                            << (graph_replays > 0 ? " (in a CUDA graph)" : "") << " seed=" << seed);
   const std::vector<T> o_before = c.o.buf;
-  const std::vector<float> lse = run_on_device(kernel, c, mask, uploaded, graph_replays);
-  const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, p)); }, mask);
-  const double err = max_abs_error(c.o.view, e.ref.o);
-  INFO("max error " << err << " tolerance " << e.tolerance);
-  CHECK(err <= e.tolerance);
-  const double rel = relative_error(c.o.view, e.ref.o);
-  INFO("relative error " << rel << " bound " << relative_bound<T>());
-  CHECK(rel <= relative_bound<T>());
-  const double lse_err = max_lse_error(lse, e.ref.lse);
-  INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance);
-  CHECK(lse_err <= e.lse_tolerance);
+  check_outputs(c, mask, run_on_device(kernel, c, mask, uploaded, graph_replays));
   CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
 }
 
@@ -482,6 +506,26 @@ TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu
                              causal{align::bottom_right});
 }
 
+// On a Hopper the warp-specialised kernel's persistent grid ends an item (its O scaled, staged and stored, its lse)
+// while the next item's first scores run, and ends an item without key tiles at the next turn: blocks of about 7
+// items each, with runs of items without a key tile between the others (block-sparse rows with no block; causal
+// bottom-right q-blocks above the first key, dealt q-block first), lse checked with O.
+TEST_CASE("cuda flash: items without key tiles among others on the persistent grid", "[gpu][flash][block_sparse]") {
+  const block_geometry g{300, 96, 128, 32, 1, 300};  // 3 q-blocks and 3 key blocks a head, 900 items
+  std::mt19937_64 rng(fresh_seed());
+  std::vector<char> active(static_cast<std::size_t>(g.patterns() * g.n_q_blocks() * g.n_kv_blocks()), 0);
+  for (std::size_t row = 0; row < active.size() / 3; ++row) {
+    if (rng() % 2 == 0) continue;  // half the rows have no block
+    const unsigned bits = 1 + static_cast<unsigned>(rng() % 7);
+    for (unsigned kb = 0; kb < 3; ++kb) active[row * 3 + kb] = (bits >> kb) & 1;
+  }
+  const block_layout layout = layout_from_block_mask(g, active);
+  check_gpu<Eigen::half>(cuda_kernel::flash, problem{1, 300, 3, 300, 96, 128}, layout::bshd, block_sparse{layout});
+  // 1000 items (at most 8 a block: the persistent grid), the first two q-blocks of each head without a key.
+  check_gpu<Eigen::bfloat16>(cuda_kernel::flash, problem{1, 250, 2, 400, 100, 128}, layout::bhsd,
+                             causal{align::bottom_right});
+}
+
 // Block-sparse calls with a layout copied per call, queued behind a 20 ms kernel with no synchronisation between
 // them: each call's host layout is freed as soon as the call returns, while the device has not yet run its copy;
 // layouts of different sizes, each call with its own inputs and outputs.
@@ -490,38 +534,24 @@ TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at on
   const problem p{1, 4, 2, 300, 700, 128};
   const block_geometry g{300, 700, 128, 64, 1, 4};
   constexpr int calls = 13;
-  std::vector<std::unique_ptr<attention_case<T>>> cases;
   std::vector<std::uint64_t> seeds;
-  std::vector<block_layout> layouts;                              // for the oracle
-  std::vector<std::unique_ptr<gpu::device_buffer<T>>> buffers;  // q, k, v, o of each call
-  std::vector<std::unique_ptr<gpu::device_buffer<float>>> lses;
+  std::vector<std::unique_ptr<attention_case<T>>> cases;
+  std::vector<std::unique_ptr<device_copy<T>>> copies;  // every call's, first (device_copy)
   const auto sparsity = [](int i) { return 0.1 + 0.8 * (i % 5) / 4.0; };
-  // Every buffer first: their synchronous copies would otherwise wait for the queued calls.
   for (int i = 0; i < calls; ++i) {
     seeds.push_back(fresh_seed());
     std::mt19937_64 rng(seeds.back());
     cases.push_back(std::make_unique<attention_case<T>>(p, layout::bshd, rng));
-    const attention_case<T>& c = *cases.back();
-    layouts.push_back(random_layout(g, sparsity(i), seeds.back()));
-    for (const std::vector<T>* host : {&c.q.buf, &c.k.buf, &c.v.buf, &c.o.buf}) {
-      buffers.push_back(std::make_unique<gpu::device_buffer<T>>(*host));
-      REQUIRE(buffers.back()->ok());
-    }
-    lses.push_back(std::make_unique<gpu::device_buffer<float>>(std::vector<float>(std::size_t(p.lse_size()), 7.0f)));
-    REQUIRE(lses.back()->ok());
+    copies.push_back(std::make_unique<device_copy<T>>(*cases.back(), 7.0f));
+    REQUIRE(copies.back()->ok());
   }
   REQUIRE(gpu::synchronize().ok());
   REQUIRE(gpu::spin(20000).ok());
   for (int i = 0; i < calls; ++i) {
-    attention_case<T>& c = *cases[std::size_t(i)];
-    const auto dev = [&](int j) { return buffers[std::size_t(4 * i + j)]->data(); };
+    const device_copy<T>& d = *copies[std::size_t(i)];
     const block_layout passed = random_layout(g, sparsity(i), seeds[std::size_t(i)]);  // freed when the call returns
-    const status st =
-        gpu::attend_cuda<T>(cuda_kernel::flash, p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), dev(0)),
-                            gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), dev(1)),
-                            gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), dev(2)),
-                            gpu::on_device<T>(c.o.view, c.o.buf.data(), dev(3)), block_sparse{passed},
-                            lses[std::size_t(i)]->data());
+    const status st = gpu::attend_cuda<T>(cuda_kernel::flash, p, d.qd(), d.kd(), d.vd(), d.od(), block_sparse{passed},
+                                          d.lse.data());
     INFO(st.what());
     REQUIRE(st.ok());
   }
@@ -529,16 +559,10 @@ TEST_CASE("cuda block_sparse: layouts copied per call by many calls queued at on
   INFO(sync.what());
   REQUIRE(sync.ok());
   for (int i = 0; i < calls; ++i) {
-    attention_case<T>& c = *cases[std::size_t(i)];
-    buffers[std::size_t(4 * i + 3)]->copy_to(c.o.buf);
-    std::vector<float> lse(std::size_t(p.lse_size()));
-    lses[std::size_t(i)]->copy_to(lse);
-    const expected e = expect(c, bind(block_sparse{layouts[std::size_t(i)]}, p));
-    INFO("call " << i << " of " << calls << ", " << layouts[std::size_t(i)].view().n_cols << " listed blocks, seed "
+    const block_layout layout = random_layout(g, sparsity(i), seeds[std::size_t(i)]);  // the same again, for the oracle
+    INFO("call " << i << " of " << calls << ", " << layout.view().n_cols << " listed blocks, seed "
                  << seeds[std::size_t(i)]);
-    CHECK(max_abs_error(c.o.view, e.ref.o) <= e.tolerance);
-    CHECK(relative_error(c.o.view, e.ref.o) <= relative_bound<T>());
-    CHECK(max_lse_error(lse, e.ref.lse) <= e.lse_tolerance);
+    check_outputs(*cases[std::size_t(i)], block_sparse{layout}, copies[std::size_t(i)]->read());
   }
 }
 
@@ -598,48 +622,31 @@ TEST_CASE("cuda calls from several host threads at once match the float64 oracle
                       {cuda_kernel::flash, {1, 4, 1, 1, 6000, 64}, dense{}},
                       {cuda_kernel::flash_mma_sync, {1, 2, 2, 129, 300, 128}, window{40, 10}}};
   constexpr int n = 4, rounds = 3;
-  std::vector<std::unique_ptr<attention_case<T>>> cases;
-  std::vector<std::unique_ptr<gpu::device_buffer<T>>> buffers;  // q, k, v, o of each job
-  std::vector<std::unique_ptr<gpu::device_buffer<float>>> lses;
   std::vector<std::uint64_t> seeds;
+  std::vector<std::unique_ptr<attention_case<T>>> cases;
+  std::vector<std::unique_ptr<device_copy<T>>> copies;
   for (const job& j : jobs) {
     seeds.push_back(fresh_seed());
     std::mt19937_64 rng(seeds.back());
     cases.push_back(std::make_unique<attention_case<T>>(j.p, layout::bshd, rng));
-    const attention_case<T>& c = *cases.back();
-    for (const std::vector<T>* host : {&c.q.buf, &c.k.buf, &c.v.buf, &c.o.buf}) {
-      buffers.push_back(std::make_unique<gpu::device_buffer<T>>(*host));
-      REQUIRE(buffers.back()->ok());
-    }
-    lses.push_back(std::make_unique<gpu::device_buffer<float>>(std::vector<float>(std::size_t(j.p.lse_size()), 7.0f)));
-    REQUIRE(lses.back()->ok());
+    copies.push_back(std::make_unique<device_copy<T>>(*cases.back(), 7.0f));
+    REQUIRE(copies.back()->ok());
   }
   std::vector<status> statuses(n);
   std::vector<std::thread> threads;
   for (int t = 0; t < n; ++t)
     threads.emplace_back([&, t] {
-      attention_case<T>& c = *cases[std::size_t(t)];
-      const auto dev = [&](int j) { return buffers[std::size_t(4 * t + j)]->data(); };
+      const device_copy<T>& d = *copies[std::size_t(t)];
       for (int r = 0; r < rounds && statuses[std::size_t(t)]; ++r)
-        statuses[std::size_t(t)] = gpu::attend_cuda_own_stream<T>(
-            jobs[t].kernel, jobs[t].p, gpu::on_device<const T>(c.q.cview(), c.q.buf.data(), dev(0)),
-            gpu::on_device<const T>(c.k.cview(), c.k.buf.data(), dev(1)),
-            gpu::on_device<const T>(c.v.cview(), c.v.buf.data(), dev(2)),
-            gpu::on_device<T>(c.o.view, c.o.buf.data(), dev(3)), jobs[t].mask, lses[std::size_t(t)]->data());
+        statuses[std::size_t(t)] = gpu::attend_cuda_own_stream<T>(jobs[t].kernel, jobs[t].p, d.qd(), d.kd(), d.vd(),
+                                                                  d.od(), jobs[t].mask, d.lse.data());
     });
   for (std::thread& th : threads) th.join();
   for (int t = 0; t < n; ++t) {
-    attention_case<T>& c = *cases[std::size_t(t)];
     INFO(kernel_name(jobs[t].kernel) << " " << describe(jobs[t].p) << " " << describe(jobs[t].mask) << " seed "
                                      << seeds[std::size_t(t)] << ": " << statuses[std::size_t(t)].what());
     REQUIRE(statuses[std::size_t(t)].ok());
-    buffers[std::size_t(4 * t + 3)]->copy_to(c.o.buf);
-    std::vector<float> lse(std::size_t(jobs[t].p.lse_size()));
-    lses[std::size_t(t)]->copy_to(lse);
-    const expected e = std::visit([&](const auto& m) { return expect(c, bind(m, jobs[t].p)); }, jobs[t].mask);
-    CHECK(max_abs_error(c.o.view, e.ref.o) <= e.tolerance);
-    CHECK(relative_error(c.o.view, e.ref.o) <= relative_bound<T>());
-    CHECK(max_lse_error(lse, e.ref.lse) <= e.lse_tolerance);
+    check_outputs(*cases[std::size_t(t)], jobs[t].mask, copies[std::size_t(t)]->read());
   }
 }
 

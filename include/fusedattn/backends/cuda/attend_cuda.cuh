@@ -83,9 +83,9 @@ inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
 /// into a CUDA graph: the graph would read the copy's source, a buffer of this call, when it runs.
 inline status layout_to_device(const block_sparse_mask& host, scratch_arena& arena, cudaStream_t stream,
                                block_sparse_mask& dev) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (status st = from_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing"); !st) return st;
-  if (capture != cudaStreamCaptureStatusNone)
+  bool capturing = false;
+  if (status st = stream_capturing(stream, capturing); !st) return st;
+  if (capturing)
     return {errc::unsupported,
             "block_sparse{layout} on policy::cuda copies the layout from host memory inside the call, which a CUDA "
             "graph cannot capture (the graph would read the copy's source when it runs, after the call has freed "

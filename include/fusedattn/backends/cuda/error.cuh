@@ -31,6 +31,16 @@ inline status from_cublas(cublasStatus_t e, const char* what) {
   return {code, std::string(what) + " failed: " + cublasGetStatusString(e)};
 }
 
+/// Whether `stream` is being captured into a CUDA graph (`capturing`; false when the runtime cannot tell, which the
+/// status then says). The backend asks before what a capture cannot hold: creating a memory pool, a synchronous
+/// probe, a copy from a buffer the call frees.
+inline status stream_capturing(cudaStream_t stream, bool& capturing) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  capturing = e == cudaSuccess && capture != cudaStreamCaptureStatusNone;
+  return from_cuda(e, "cudaStreamIsCapturing");
+}
+
 /// The error of the last kernel launch on this thread (cudaGetLastError clears it), as a status.
 inline status last_launch(const char* kernel) { return from_cuda(cudaGetLastError(), kernel); }
 

@@ -761,8 +761,8 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
   }
   if (major != 9 || minor != 0) return false;
   if (known[device] != 0) return known[device] == 1;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+  bool capturing = false;
+  if (!stream_capturing(stream, capturing) || capturing) {
     cudaGetLastError();
     return false;
   }

@@ -59,10 +59,10 @@ inline status scratch_pool(cudaMemPool_t& pool, bool create = true) {
 /// allocation node), so it comes from cudaMallocAsync as before the pool, and no pool is created mid-capture.
 inline status scratch_allocate(void*& out, std::size_t bytes, cudaStream_t stream, const char* what) {
   out = nullptr;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (status st = from_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing"); !st) return st;
+  bool capturing = false;
+  if (status st = stream_capturing(stream, capturing); !st) return st;
   cudaError_t e = cudaSuccess;
-  if (capture != cudaStreamCaptureStatusNone) {
+  if (capturing) {
     e = cudaMallocAsync(&out, bytes, stream);
   } else {
     cudaMemPool_t pool = nullptr;
