@@ -20,41 +20,50 @@ struct reference {
 /// softmax(scale · q·kᵀ restricted to allowed(i, j)) · v, every sum in double. A row with no allowed key
 /// gives O = 0 and lse = −inf. `Acc` picks the arithmetic: double is the oracle; the storage type's
 /// accumulation type gives the "plain same-precision implementation" that tolerances are derived from.
+/// Rows are independent: with OpenMP, calls of more than 2^22 multiply-adds share their rows among the threads
+/// (each row is computed exactly as alone, so the result does not depend on the threads).
 template <class Acc = double, class T, class Mask>
 reference reference_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                               const tensor_ref<const T>& v, const Mask& mask) {
   reference r{std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim)),
               std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q))};
   const Acc scale = static_cast<Acc>(p.softmax_scale());
-  std::vector<Acc> s(static_cast<std::size_t>(p.seq_kv));
-  std::vector<Acc> acc(static_cast<std::size_t>(p.head_dim));
-  for (index_t b = 0; b < p.batch; ++b)
-    for (index_t h = 0; h < p.heads; ++h)
-      for (index_t i = 0; i < p.seq_q; ++i) {
-        const index_t g = p.kv_head(h);
-        const auto head_mask = for_head(mask, b, h);
-        Acc m = -std::numeric_limits<Acc>::infinity();
-        for (index_t j = 0; j < p.seq_kv; ++j) {
-          if (!head_mask.allowed(i, j)) continue;
-          Acc dot = 0;
-          for (index_t c = 0; c < p.head_dim; ++c)
-            dot += static_cast<Acc>(q.row(b, h, i)[c]) * static_cast<Acc>(k.row(b, g, j)[c]);
-          s[j] = scale * dot;
-          m = std::max(m, s[j]);
-        }
-        Acc l = 0;
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (index_t j = 0; j < p.seq_kv; ++j) {
-          if (!head_mask.allowed(i, j)) continue;
-          const Acc e = std::exp(s[j] - m);
-          l += e;
-          for (index_t c = 0; c < p.head_dim; ++c) acc[c] += e * static_cast<Acc>(v.row(b, g, j)[c]);
-        }
-        const std::size_t row = static_cast<std::size_t>((b * p.heads + h) * p.seq_q + i);
+  const index_t rows = p.batch * p.heads * p.seq_q;
+  const bool parallel = static_cast<double>(rows) * static_cast<double>(p.seq_kv) * static_cast<double>(p.head_dim) >
+                        static_cast<double>(1 << 22);
+  (void)parallel;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<Acc> s(static_cast<std::size_t>(p.seq_kv));
+    std::vector<Acc> acc(static_cast<std::size_t>(p.head_dim));
+#pragma omp for schedule(dynamic, 16)
+    for (index_t row = 0; row < rows; ++row) {  // row = (b · heads + h) · seq_q + i
+      const index_t i = row % p.seq_q, h = row / p.seq_q % p.heads, b = row / p.seq_q / p.heads;
+      const index_t g = p.kv_head(h);
+      const auto head_mask = for_head(mask, b, h);
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (index_t j = 0; j < p.seq_kv; ++j) {
+        if (!head_mask.allowed(i, j)) continue;
+        Acc dot = 0;
         for (index_t c = 0; c < p.head_dim; ++c)
-          r.o[row * p.head_dim + c] = l > 0 ? static_cast<double>(acc[c] / l) : 0.0;
-        r.lse[row] = l > 0 ? static_cast<double>(m + std::log(l)) : -std::numeric_limits<double>::infinity();
+          dot += static_cast<Acc>(q.row(b, h, i)[c]) * static_cast<Acc>(k.row(b, g, j)[c]);
+        s[j] = scale * dot;
+        m = std::max(m, s[j]);
       }
+      Acc l = 0;
+      std::fill(acc.begin(), acc.end(), Acc(0));
+      for (index_t j = 0; j < p.seq_kv; ++j) {
+        if (!head_mask.allowed(i, j)) continue;
+        const Acc e = std::exp(s[j] - m);
+        l += e;
+        for (index_t c = 0; c < p.head_dim; ++c) acc[c] += e * static_cast<Acc>(v.row(b, g, j)[c]);
+      }
+      const std::size_t o_row = static_cast<std::size_t>(row);
+      for (index_t c = 0; c < p.head_dim; ++c)
+        r.o[o_row * p.head_dim + c] = l > 0 ? static_cast<double>(acc[c] / l) : 0.0;
+      r.lse[o_row] = l > 0 ? static_cast<double>(m + std::log(l)) : -std::numeric_limits<double>::infinity();
+    }
+  }
   return r;
 }
 
