@@ -30,9 +30,10 @@ status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor
                             bool skip_upload = false);
 
 /// The same call captured on a stream of its own into a CUDA graph (cudaStreamCaptureModeGlobal), then the graph
-/// launched `replays` times and the stream synchronised. With `uploaded` the mask must be a block_sparse, whose
-/// layout is uploaded before the capture and passed as cuda::device_block_sparse. Returns attend's status at capture
-/// (the capture is ended either way), else the first failing CUDA call's.
+/// launched `replays` times and the stream synchronised; before each launch after the first, O (when its view has no
+/// gaps) and lse are set to NaN, so that each launch must write them alone. With `uploaded` the mask must be a
+/// block_sparse, whose layout is uploaded before the capture and passed as cuda::device_block_sparse. Returns
+/// attend's status at capture (the capture is ended either way), else the first failing CUDA call's.
 template <class T>
 status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
                          tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse, int replays,
