@@ -71,12 +71,16 @@ status attend_cuda_graph(policy::cuda_kernel kernel, const problem& p, tensor_re
   const auto run = [&]() -> status {
     if (status st = from_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"); !st) return st;
     for (int r = 0; r < replays; ++r) {
-      if (r > 0 && o_dense &&
-          cudaMemsetAsync(o.data, 0xff, std::size_t(o_elems) * sizeof(T), stream) != cudaSuccess)
-        return from_cuda(cudaGetLastError(), "cudaMemsetAsync(O)");
-      if (r > 0 && lse != nullptr &&
-          cudaMemsetAsync(lse, 0xff, std::size_t(p.lse_size()) * sizeof(float), stream) != cudaSuccess)
-        return from_cuda(cudaGetLastError(), "cudaMemsetAsync(lse)");
+      if (r > 0 && o_dense)
+        if (status st = from_cuda(cudaMemsetAsync(o.data, 0xff, std::size_t(o_elems) * sizeof(T), stream),
+                                  "cudaMemsetAsync(O)");
+            !st)
+          return st;
+      if (r > 0 && lse != nullptr)
+        if (status st = from_cuda(cudaMemsetAsync(lse, 0xff, std::size_t(p.lse_size()) * sizeof(float), stream),
+                                  "cudaMemsetAsync(lse)");
+            !st)
+          return st;
       if (status st = from_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch"); !st) return st;
     }
     return from_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");

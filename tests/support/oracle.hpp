@@ -31,7 +31,7 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
   const index_t rows = p.batch * p.heads * p.seq_q;
   const bool parallel = static_cast<double>(rows) * static_cast<double>(p.seq_kv) * static_cast<double>(p.head_dim) >
                         static_cast<double>(1 << 22);
-  (void)parallel;
+  (void)parallel;  // read by the OpenMP pragma only
 #pragma omp parallel if (parallel)
   {
     std::vector<Acc> s(static_cast<std::size_t>(p.seq_kv));
