@@ -506,10 +506,11 @@ TEST_CASE("cuda flash: causal and window head_dim 64 calls of many items", "[gpu
                              causal{align::bottom_right});
 }
 
-// On a Hopper the warp-specialised kernel's persistent grid ends an item (its O scaled, staged and stored, its lse)
-// while the next item's first scores run, and ends an item without key tiles at the next turn: blocks of about 7
-// items each, with runs of items without a key tile between the others (block-sparse rows with no block; causal
-// bottom-right q-blocks above the first key, dealt q-block first), lse checked with O.
+// On a Hopper the warp-specialised kernel's persistent grid carries its two Q buffers, its deferred O stores and its
+// K/V buffers from item to item; an item without key tiles still takes a Q buffer, ends at once (O = 0, lse = −inf)
+// and passes the buffer on. Blocks of about 7 items each, with runs of items without a key tile between the others
+// (block-sparse rows with no block; causal bottom-right q-blocks above the first key, dealt q-block first), lse
+// checked with O.
 TEST_CASE("cuda flash: items without key tiles among others on the persistent grid", "[gpu][flash][block_sparse]") {
   const block_geometry g{300, 96, 128, 32, 1, 300};  // 3 q-blocks and 3 key blocks a head, 900 items
   std::mt19937_64 rng(fresh_seed());
