@@ -4,10 +4,13 @@
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
 // "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
 // "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep), "profile" one call each for a
-// profiler. Shapes: docs/PERFORMANCE.md, CUDA section.
+// profiler, "peer DIR" the block-sparse suite with its layouts written to DIR (layout_4096.txt, layout_10000.txt) for
+// bench/gpu/sparse_peer.py, then the default flash on (10,16,1024,128) (1280 items of 128 rows × 1024 keys, as long as
+// the block-sparse items at S 10000). Shapes: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -421,6 +424,27 @@ void block_sparse_suite(int h, int s, double sparsity) {
               dense_queued_ms / copied_queued_ms, mma_sync_ms);
 }
 
+/// Writes a layout as text for bench/gpu/sparse_peer.py: "seq_q seq_kv block_q block_kv batch heads", then
+/// row_offsets on one line, cols on one line. CSR row r = (b · heads + h) · n_q_blocks + q_block (batch 1 and one
+/// pattern per head here: r = h · n_q_blocks + q_block); kv-block kb holds keys [kb · block_kv, (kb + 1) · block_kv)
+/// clipped to seq_kv.
+bool write_layout(const fa::block_layout& layout, const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    return false;
+  }
+  const fa::block_geometry& g = layout.geometry();
+  std::fprintf(f, "%lld %lld %lld %lld %lld %lld\n", (long long)g.seq_q, (long long)g.seq_kv, (long long)g.block_q,
+               (long long)g.block_kv, (long long)g.batch, (long long)g.heads);
+  for (std::size_t i = 0; i < layout.row_offsets().size(); ++i)
+    std::fprintf(f, i ? " %lld" : "%lld", (long long)layout.row_offsets()[i]);
+  std::fprintf(f, "\n");
+  for (std::size_t i = 0; i < layout.cols().size(); ++i) std::fprintf(f, i ? " %d" : "%d", int(layout.cols()[i]));
+  std::fprintf(f, "\n");
+  return std::fclose(f) == 0;
+}
+
 /// One call each of f16 flash (2,16,8192,128) dense, (4,32,4096,64) dense and causal, and block-sparse flash
 /// (1,16,10000,128) on a device layout, for a profiler (bench_gpu OUT.jsonl profile).
 void profile_calls() {
@@ -484,6 +508,34 @@ int main(int argc, char** argv) {
     decode_suite<Eigen::bfloat16>(1, 32, 8192, 64, false);
     flash_suite<Eigen::half>({1, 1, 4096, 64, false});
     flash_suite<Eigen::bfloat16>({1, 1, 4096, 64, false});
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "peer") {  // block-sparse and short dense items, beside sparse_peer.py
+    if (argc < 4) {
+      std::fprintf(stderr, "usage: %s OUT.jsonl peer DIR\n", argv[0]);
+      return 1;
+    }
+    const std::string dir = argv[3];
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    cudaDeviceProp prop{};
+    BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+    for (int s : {4096, 10000}) {
+      // The layout block_sparse_suite builds (same geometry, sparsity and seed).
+      const fa::block_layout layout = fa::random_layout(fa::block_geometry{s, s, 128, 512, 1, 16}, 0.9, 42);
+      if (!write_layout(layout, dir + "/layout_" + std::to_string(s) + ".txt")) return 1;
+      block_sparse_suite(16, s, 0.9);
+    }
+    const shape short_items{10, 16, 1024, 128, false};
+    {
+      operands<Eigen::half> x(short_items, sets_for(short_items, 2));
+      time_attend<Eigen::half>(short_items, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
+    }
+    {
+      operands<Eigen::bfloat16> x(short_items, sets_for(short_items, 2));
+      time_attend<Eigen::bfloat16>(short_items, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
+    }
     return 0;
   }
   if (argc > 2 && std::string(argv[2]) == "sparse") {  // the block-sparse suite only
