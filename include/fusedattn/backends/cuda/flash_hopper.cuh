@@ -247,14 +247,15 @@ template <class E, class Tile, class Mask>
 __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float (&acc)[Tile::head_dim / 8][4],
                                             const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
                                             int b, int h, int split, int q0, E* stage) {
-  constexpr int D = Tile::head_dim;
+  constexpr int D = Tile::head_dim, BM = Tile::block_m;
   constexpr float ln2 = 0.69314718055994531f;
+  float inv_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv_l = l > 0.f ? __fdividef(1.f, l) : 0.f;
+    inv_l[r] = l > 0.f ? __fdividef(1.f, l) : 0.f;
     const int row = w.row0 + w.g + 8 * r;
     const float lse = l > 0.f ? (m_run[r] + log2f(l)) * ln2 : -INFINITY;
     if (p.splits > 1) {
@@ -264,15 +265,27 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
         *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * w.t) =
-            make_float2(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
-    } else {
-      if (p.lse != nullptr && w.t == 0 && row < p.seq_q)
-        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = lse;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<std::uint32_t*>(stage + atom_offset<Tile::block_m>(row - q0, n) + 2 * w.t) =
-            mma_type<E>::pack(acc[n][2 * r] * inv_l, acc[n][2 * r + 1] * inv_l);
+            make_float2(acc[n][2 * r] * inv_l[r], acc[n][2 * r + 1] * inv_l[r]);
+    } else if (p.lse != nullptr && w.t == 0 && row < p.seq_q) {
+      p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = lse;
     }
+  }
+  if (p.splits > 1) return;
+  // O into the staging tile, two 16-byte chunks of the warp's 16 rows per stmatrix: matrices 0 and 1 are rows
+  // g and g + 8 of chunk 2j, 2 and 3 those of chunk 2j + 1 (each an accumulator's 8 × 8 piece). Lane l gives row
+  // 8·((l / 8) % 2) + l % 8 of chunk 2j + l / 16; as rows start at multiples of 8, its swizzled place in the atom
+  // is chunk (2j mod 8) ^ (l / 16) ^ (l % 8), and panel j / 4. Rows past seq_q are staged too (never stored).
+  const int lane = 4 * w.g + w.t;
+  const int row = w.row0 - q0 + 8 * ((lane >> 3) & 1) + (lane & 7);
+  const int c = (lane >> 4) ^ (lane & 7);
+  const std::uint32_t base = smem_address(stage) + std::uint32_t(row * 128);
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const std::uint32_t at = base + std::uint32_t((j >> 2) * (BM * 128) + ((((2 * j) & 7) ^ c) << 4));
+    stmatrix_x4(at, mma_type<E>::pack(acc[2 * j][0] * inv_l[0], acc[2 * j][1] * inv_l[0]),
+                mma_type<E>::pack(acc[2 * j][2] * inv_l[1], acc[2 * j][3] * inv_l[1]),
+                mma_type<E>::pack(acc[2 * j + 1][0] * inv_l[0], acc[2 * j + 1][1] * inv_l[0]),
+                mma_type<E>::pack(acc[2 * j + 1][2] * inv_l[1], acc[2 * j + 1][3] * inv_l[1]));
   }
 }
 

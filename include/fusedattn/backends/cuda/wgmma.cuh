@@ -1,7 +1,8 @@
 /// @file wgmma.cuh
 /// Hopper's warpgroup tensor-core primitives (sm_90a only): shared-memory matrix descriptors for 128-byte swizzled
 /// tiles, wgmma.mma_async m64nNk16 (N = 64 or 128, f16/bf16 in, f32 accumulators) with A from shared memory or from
-/// registers, its fence / commit / wait, and the proxy fence that makes cp.async data visible to it.
+/// registers, its fence / commit / wait, the proxy fence that makes cp.async data visible to it, and stmatrix (the
+/// epilogue's stores of O into its staging tile).
 /// Thin PTX wrappers only; the kernel that uses them is flash_hopper.cuh. Every function here compiles to nothing
 /// useful on other targets: callers guard their bodies with FUSEDATTN_WGMMA_COMPILED.
 #pragma once
@@ -64,6 +65,19 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
 #if FUSEDATTN_WGMMA_COMPILED
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+/// Stores four 8 × 8 matrices of 16-bit pairs from the warp's registers (stmatrix, sm_90): register i of lane l holds
+/// row l / 4, columns 2·(l % 4) and 2·(l % 4) + 1 of matrix i (the layout of an accumulator's 8 × 8 piece), and lanes
+/// 8i … 8i + 7 give the shared-memory addresses (smem_address) of matrix i's rows 0 … 7, 16 bytes each.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t smem, std::uint32_t r0, std::uint32_t r1, std::uint32_t r2,
+                                            std::uint32_t r3) {
+#if FUSEDATTN_WGMMA_COMPILED
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#else
+  (void)smem, (void)r0, (void)r1, (void)r2, (void)r3;
 #endif
 }
 /// Pins accumulator registers in program order around asynchronous wgmma: the compiler may not move their reads or
