@@ -1,7 +1,7 @@
 """PyTorch's attention on the same shapes as bench_attention.cu, for the same run on the same card: SDPA with the
 flash backend, SDPA with the cuDNN backend, and FlexAttention (torch.compile). CUDA events, warm-up, median.
-Usage: torch_peer.py OUT.jsonl [flex_budget_seconds] [d64]; with "d64", the unmasked head_dim 64 shapes of
-bench_gpu's d64 mode instead."""
+Usage: torch_peer.py OUT.jsonl [flex_budget_seconds] [d64|d96]; with "d64", the unmasked head_dim 64 shapes of
+bench_gpu's d64 mode instead; with "d96", only the head_dim 96 shapes."""
 import json
 import math
 import sys
@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SHAPES = [(1, 32, 2048, 128, False), (1, 32, 2048, 128, True), (2, 16, 8192, 128, False), (2, 16, 8192, 128, True),
           (1, 16, 16384, 128, False), (1, 16, 16384, 128, True), (4, 32, 4096, 64, False), (4, 32, 4096, 64, True),
           (1, 32, 1024, 128, False), (1, 1, 4096, 64, False), (1, 32, 512, 64, False), (4, 16, 4096, 256, False),
-          (4, 16, 4096, 256, True)]
+          (4, 16, 4096, 256, True), (4, 16, 4096, 96, False), (4, 16, 4096, 96, True)]
 D64_SHAPES = [(8, 32, 512, 64, False), (8, 32, 1024, 64, False), (4, 32, 2048, 64, False), (4, 32, 4096, 64, False),
               (2, 32, 8192, 64, False)]
 
@@ -46,7 +46,8 @@ def flops(b, h, s, d, causal):
 def main():
     out = open(sys.argv[1], "w")
     flex_budget = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
-    shapes = D64_SHAPES if len(sys.argv) > 3 and sys.argv[3] == "d64" else SHAPES
+    which = sys.argv[3] if len(sys.argv) > 3 else ""
+    shapes = D64_SHAPES if which == "d64" else [c for c in SHAPES if c[3] == 96] if which == "d96" else SHAPES
     flex = None
     # One compiled FlexAttention per shape and mask: let dynamo keep them all instead of falling back to eager.
     torch._dynamo.config.recompile_limit = 256

@@ -257,7 +257,7 @@ TEST_CASE("cuda scratch pool: kept after a split-KV call, given back by trim_scr
 TEMPLATE_TEST_CASE("cuda flash on padded 16-byte strides leaves the gaps of O alone", "[gpu][flash]", Eigen::half,
                    Eigen::bfloat16) {
   const problem shapes[] = {{2, 3, 3, 127, 127, 64}, {1, 2, 1, 257, 191, 128}, {2, 4, 2, 129, 300, 128},
-                            {1, 4, 2, 65, 200, 256}, {1, 270, 2, 3, 40, 128}};
+                            {1, 4, 2, 65, 200, 256}, {1, 270, 2, 3, 40, 128}, {2, 4, 2, 129, 300, 96}};
   for (const problem& p : shapes)
     for (const any_mask& m : all_masks()) check_gpu<TestType>(cuda_kernel::flash, p, layout::padded16, m);
   for (const any_mask& m : all_masks())
@@ -267,7 +267,7 @@ TEMPLATE_TEST_CASE("cuda flash on padded 16-byte strides leaves the gaps of O al
 TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
   const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
   const problem p32{1, 2, 1, 130, 70, 32}, p96{1, 2, 2, 70, 131, 96}, p256{1, 2, 1, 70, 131, 256},
-      decode256{1, 2, 2, 1, 700, 256};
+      decode256{1, 2, 2, 1, 700, 256}, decode96{1, 2, 2, 1, 900, 96};
   for (const any_mask& m : all_masks()) {
     check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
@@ -275,6 +275,10 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::half>(cuda_kernel::flash, p128, layout::padded16, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p32, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p96, layout::bhsd, m);
+    // head_dim 96 runs the Hopper 128 tile: rows padded past 96 (read as zeros by its maps, never written), and
+    // split-KV parts of 128 columns merged into 96.
+    check_gpu<Eigen::half>(cuda_kernel::flash, p96, layout::padded16, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode96, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode256, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash_mma_sync, p128, layout::bshd, m);

@@ -111,10 +111,12 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     constexpr double log2e = 1.4426950408889634;
-    const flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
-                                  int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
-                                  static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
-    if (!portable && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && hopper_flash_ready(stream)) {
+    flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
+                            int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
+                            static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
+    fp.head_dim = int(p.head_dim);
+    const bool hopper_head_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
+    if (!portable && hopper_head_dim && hopper_flash_ready(stream)) {
       if (p.head_dim == 64) {
         int multiprocessors = 0;
         if (status st = device_multiprocessors(multiprocessors); !st) return st;
@@ -124,11 +126,17 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
       if (p.head_dim == 64 && hopper_takes_whole_rows(mask, p.seq_q))
         return launch_flash_hopper<E, typename hopper_whole_row_tile<64>::type>(fp, stream);
       if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
-      if (p.head_dim == 128) return launch_flash_hopper<E, typename hopper_default_tile<128>::type>(fp, stream);
+      using tile128 = typename hopper_default_tile<128>::type;
+      if (p.head_dim == 128) return launch_flash_hopper<E, tile128>(fp, stream);
+      // head_dim 96 on the 128 tile: its tensor maps read columns 96–127 as zeros (launch_flash_hopper), so the
+      // tensor cores do 4/3 of the work, and still run it faster than the portable kernel (docs/PERFORMANCE.md).
+      if (p.head_dim == 96 && hopper_fits_mask(mask, tile128::block_m))
+        return launch_flash_hopper<E, tile128>(fp, stream);
       // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a
       // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
       using tile256 = typename hopper_default_tile<256>::type;
-      if (hopper_fits_mask(mask, tile256::block_m)) return launch_flash_hopper<E, tile256>(fp, stream);
+      if (p.head_dim == 256 && hopper_fits_mask(mask, tile256::block_m))
+        return launch_flash_hopper<E, tile256>(fp, stream);
     }
     return with_default_tile(p.head_dim, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
                              [&](auto tile) { return launch_flash<E, decltype(tile)>(fp, stream); });

@@ -68,6 +68,10 @@ struct flash_params_t {
   /// head, 1 q-block first across all heads (every head's heaviest q-block, then the next ...), handed to the
   /// blocks of the persistent grid in a snake.
   int q_block_major = 0;
+  /// The problem's head_dim: the columns of Q, K, V and O (0: the tile's). Only the Hopper kernel's 128 tile runs a
+  /// smaller one (96: its tensor maps read the columns past it as zeros, its stores and flash_merge_kernel stop at
+  /// it); every other tile's head_dim is the problem's.
+  int head_dim = 0;
 };
 using flash_params = flash_params_t<band_mask>;
 
@@ -381,7 +385,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 }
 
-/// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim:
+/// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim (the tile's: the
+/// parts' row length; columns from p.head_dim on, if set, are not stored):
 ///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
 /// (a row no part saw gets O = 0, lse = −inf).
 template <class E, class Mask>
@@ -398,7 +403,8 @@ __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
       if (threadIdx.x < unsigned(head_dim)) o += w * p.o_part[(s * rows + r) * head_dim + threadIdx.x];
     }
   E* o_row = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
-  if (threadIdx.x < unsigned(head_dim)) o_row[threadIdx.x] = narrow<E>(w_sum > 0.f ? o / w_sum : 0.f);
+  const int cols = p.head_dim > 0 ? p.head_dim : head_dim;
+  if (threadIdx.x < unsigned(cols)) o_row[threadIdx.x] = narrow<E>(w_sum > 0.f ? o / w_sum : 0.f);
   if (p.lse != nullptr && threadIdx.x == 0) p.lse[r] = w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
 }
 

@@ -903,29 +903,36 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
 /// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
 /// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
+/// p.head_dim below the tile's (head_dim 96 on the 128 tile: run_flash) needs the warp-specialised
+/// kernel, whose copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to
+/// Q·Kᵀ and give P·V columns that the O store (its map stops at p.head_dim) and the merge leave out.
 template <class E, class Tile, class Mask>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
+  const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
   const index_t heads_kv = p.heads / p.group;
-  const bool tma = make_tile_map(p.k_map, p.k_order, p.k, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
-                               p.k_stride, Tile::block_n) &&
-                   make_tile_map(p.v_map, p.v_order, p.v, bf16, Tile::head_dim, p.seq_kv, heads_kv, p.batch,
-                               p.v_stride, Tile::block_n);
+  const bool tma = make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, p.batch, p.k_stride,
+                                 Tile::block_n) &&
+                   make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, p.batch, p.v_stride,
+                                 Tile::block_n);
   if constexpr (Tile::warp_specialized) {
     int multiprocessors = 0;
     if (status st = device_multiprocessors(multiprocessors); !st) return st;
     const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
     const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
     p.q_block_major = schedule.q_block_major;
-    if (tma && make_tile_map(p.q_map, p.q_order, p.q, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.q_stride,
-                           Tile::block_m) &&
-        make_tile_map(p.o_map, p.o_order, p.o, bf16, Tile::head_dim, p.seq_q, p.heads, p.batch, p.o_stride, 64))
+    if (tma && make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, p.batch, p.q_stride,
+                             Tile::block_m) &&
+        make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, p.batch, p.o_stride, 64))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
                                           Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
   } else {
-    if (tma) return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+    // Q by cp.async reads whole rows of the tile's head_dim: no narrower head_dim here.
+    if (tma && cols == Tile::head_dim)
+      return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
   }
-  return launch_flash<E, typename flash_default_tile<Tile::head_dim>::type>(p, stream);
+  return with_default_tile(cols, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
+                           [&](auto tile) { return launch_flash<E, decltype(tile)>(p, stream); });
 }
 
 }  // namespace cuda_backend
