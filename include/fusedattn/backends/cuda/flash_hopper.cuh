@@ -1,7 +1,8 @@
 /// @file flash_hopper.cuh
 /// The fused forward kernel on Hopper's warpgroup tensor cores (sm_90a: wgmma.mma_async), f16 and bf16 with f32
-/// accumulation, head_dim 64, 128 and 256: the same function, masks, block-sparse walk, GQA, split-KV and lse as the
-/// mma.sync kernel of flash.cuh, whose parameters (flash_params_t) and launch (launch_flash_kernel) it shares.
+/// accumulation, head_dim 64, 128 and 256 (and 96 on the 128 tile: launch_flash_hopper): the same function, masks,
+/// block-sparse walk, GQA, split-KV and lse as the mma.sync kernel of flash.cuh, whose parameters (flash_params_t)
+/// and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
 ///
 /// A work item is block_m = 128 query rows of one (batch, head) (and one split-KV part): two warpgroups of 64 rows
@@ -16,8 +17,8 @@
 /// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
-///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 256, and 64 where every q-block sees every
-///     key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
+///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128 (and 96), 256, and 64 where every q-block sees
+///     every key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
 ///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer
 ///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
 ///     compute with no block barrier and write O by TMA, items walked by a persistent grid (no mask, block-sparse;
