@@ -14,31 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torch_peer import median_ms  # the same timing as torch_peer.py (this directory is on sys.path when run)
+
 H, D, SPARSITY = 16, 128, 0.9  # bench_gpu's block-sparse suite: B 1, f16, 128 x 512 blocks, seed 42
 SEQS = (4096, 10000)
 SHORT = (10, 16, 1024, 128)  # (B, H, S, D)
 QUEUED = 10
 PAD_BLOCKS = 8  # False blocks past the layout, for indices past the sequence a mask_mod may be asked about
-
-
-def median_ms(fn, sets):
-    for i in range(3):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    times, total = [], 0.0
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    i = 0
-    while i < 100 and (i < 10 or total < 300.0):
-        start.record()
-        fn(i % sets)
-        stop.record()
-        stop.synchronize()
-        t = start.elapsed_time(stop)
-        times.append(t)
-        total += t
-        i += 1
-    times.sort()
-    return times[len(times) // 2]
 
 
 def median_ms_queued(fn, sets, calls=QUEUED):
