@@ -904,9 +904,9 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
 /// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
 /// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
-/// p.head_dim below the tile's (head_dim 96 on the 128 tile: run_flash) needs the warp-specialised
-/// kernel, whose copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to
-/// Q·Kᵀ and give P·V columns that the O store (its map stops at p.head_dim) and the merge leave out.
+/// p.head_dim below the tile's (head_dim 96 on the 128 tile: run_flash) needs the warp-specialised kernel, whose
+/// copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to Q·Kᵀ and give
+/// P·V columns that the O store (its map stops at p.head_dim) and the merge leave out.
 template <class E, class Tile, class Mask>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
