@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU machine's whole session in one script: GPU tests, compute-sanitizer on small shapes, a deliberately broken
 # build's tests (they must fail), fusedattn's timings and PyTorch's (SDPA flash / cuDNN, FlexAttention) in the same
-# run, and a table last. Logs and JSON go to $OUT (default ./gpu-out).
+# run, block-sparse beside FlexAttention on the same layouts (bench_gpu's peer mode, sparse_peer.py), and a table last. Logs and JSON go to $OUT (default ./gpu-out).
 #   bench/gpu/run.sh            build in build-gpu (needs .deps from shared/device/fetch-deps.sh), then run
 #   bench/gpu/run.sh BIN_DIR    use prebuilt test_gpu, bench_gpu (and optional test_gpu_broken) from BIN_DIR
-#   STAGES="tests sanitize broken bench torch" (the default: all) picks stages; FLEX_BUDGET caps FlexAttention's seconds;
+#   STAGES="tests sanitize broken bench torch peer" (the default: all) picks stages; FLEX_BUDGET caps FlexAttention's seconds;
 #   BROKEN_TAGS picks the test cases the broken build runs (default "[flash],[block_sparse]").
 set -uo pipefail
-STAGES=" ${STAGES:-tests sanitize broken bench torch} "
+STAGES=" ${STAGES:-tests sanitize broken bench torch peer} "
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -56,5 +56,12 @@ fi
 if [[ $STAGES == *" torch "* ]]; then
   echo "== PyTorch timings"
   PYTHONUNBUFFERED=1 python3 bench/gpu/torch_peer.py "$OUT/torch.jsonl" "${FLEX_BUDGET:-240}" 2>&1 | tee -a "$OUT/bench.log"
+fi
+if [[ $STAGES == *" peer "* ]]; then
+  echo "== block-sparse beside FlexAttention on the same layouts, and dense kernels on items as short"
+  mkdir -p "$OUT/peer"
+  "$BIN/bench_gpu" "$OUT/peer/fusedattn.jsonl" peer "$OUT/peer" >"$OUT/peer/bench.log" 2>&1
+  PYTHONUNBUFFERED=1 python3 bench/gpu/sparse_peer.py "$OUT/peer/torch.jsonl" "$OUT/peer" "$OUT/peer/fusedattn.jsonl" 2>&1 |
+    tee "$OUT/peer/torch.log" | sed -n '/== summary/,$p'
 fi
 python3 bench/gpu/table.py "$OUT/fusedattn.jsonl" "$OUT/torch.jsonl" | tee "$OUT/table.txt"
