@@ -6,7 +6,6 @@ with 10 calls queued back to back (as bench_gpu's queued figures). The first Fle
 compiles (torch.compile). Usage: sparse_peer.py OUT.jsonl DIR [FUSEDATTN.jsonl]; with bench_gpu's JSON lines of the
 same run, the summary puts its block-sparse and short-item figures beside these."""
 import json
-import math
 import sys
 import time
 
@@ -14,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torch_peer import median_ms  # the same timing as torch_peer.py (this directory is on sys.path when run)
+# The same timing, inputs and SDPA calls as torch_peer.py (this directory is on sys.path when run).
+from torch_peer import inputs, median_ms, time_sdpa
 
 H, D, SPARSITY = 16, 128, 0.9  # bench_gpu's block-sparse suite: B 1, f16, 128 x 512 blocks, seed 42
 SEQS = (4096, 10000)
@@ -101,29 +101,6 @@ def element_mask(lay, table):
     return table[:, qi[:, None], ki[None, :]].unsqueeze(0)
 
 
-def inputs(b, h, s, d, dtype):
-    """Input sets (Q, K, V) in [-1, 1), enough that one pass exceeds the L2 several times (as torch_peer.py)."""
-    sets = max(1, min(4, math.ceil(4 * 60e6 / (3 * b * h * s * d * 2))))
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    return [[torch.rand(b, h, s, d, device="cuda", dtype=dtype, generator=gen) * 2 - 1 for _ in range(3)]
-            for _ in range(sets)], sets
-
-
-def time_sdpa(qkv, sets):
-    """{label: ms} of SDPA's flash and cuDNN backends, dense."""
-    runs = {}
-    for backend, label in ((SDPBackend.FLASH_ATTENTION, "torch sdpa flash"),
-                           (SDPBackend.CUDNN_ATTENTION, "torch sdpa cudnn")):
-        def call(i, backend=backend):
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(*qkv[i])
-        try:
-            runs[label] = median_ms(call, sets)
-        except Exception as e:  # noqa: BLE001 - report and go on
-            print(label, "failed:", e)
-    return runs
-
-
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
@@ -184,7 +161,7 @@ def main():
         dense_flop = 4.0 * H * s * s * D
         base = dict(dtype="f16", b=1, h=H, s=s, d=D)
         qkv, sets = inputs(1, H, s, D, torch.float16)
-        dense = time_sdpa(qkv, sets)
+        dense = dict(time_sdpa(qkv, sets))
         for label, ms in dense.items():
             emit(dict(base, mask="dense", kernel=label, ms=ms), dense_flop)
         res = dict(dense)
@@ -252,7 +229,7 @@ def main():
     short = {}
     for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
         qkv, sets = inputs(b, h, s, d, dtype)
-        res = time_sdpa(qkv, sets)
+        res = dict(time_sdpa(qkv, sets))
         for label, ms in res.items():
             emit(dict(dtype=name, b=b, h=h, s=s, d=d, mask="dense", kernel=label, ms=ms), short_flop)
         if flex is not None:

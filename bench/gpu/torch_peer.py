@@ -43,6 +43,30 @@ def flops(b, h, s, d, causal):
     return 4.0 * b * h * (s * (s + 1) / 2 if causal else s * s) * d
 
 
+def inputs(b, h, s, d, dtype):
+    """Input sets [Q, K, V] in [-1, 1), enough (at most 4) that one pass over them exceeds the L2 several times, and
+    how many."""
+    sets = max(1, min(4, math.ceil(4 * 60e6 / (3 * b * h * s * d * 2))))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return [[torch.rand(b, h, s, d, device="cuda", dtype=dtype, generator=gen) * 2 - 1 for _ in range(3)]
+            for _ in range(sets)], sets
+
+
+def time_sdpa(qkv, sets, causal=False):
+    """[(label, ms)] of SDPA's flash and cuDNN backends; a backend that fails is reported and left out."""
+    runs = []
+    for backend, label in ((SDPBackend.FLASH_ATTENTION, "torch sdpa flash"),
+                           (SDPBackend.CUDNN_ATTENTION, "torch sdpa cudnn")):
+        def call(i, backend=backend):
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(*qkv[i], is_causal=causal)
+        try:
+            runs.append((label, median_ms(call, sets)))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(label, "failed:", e)
+    return runs
+
+
 def main():
     out = open(sys.argv[1], "w")
     flex_budget = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
@@ -61,21 +85,8 @@ def main():
     t_flex = 0.0
     for dtype, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
         for (b, h, s, d, causal) in shapes:
-            nbytes = 3 * b * h * s * d * 2
-            sets = max(1, min(4, math.ceil(4 * 60e6 / nbytes)))
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            qkv = [[torch.rand(b, h, s, d, device="cuda", dtype=dtype, generator=gen) * 2 - 1 for _ in range(3)]
-                   for _ in range(sets)]
-            runs = []
-            for backend, label in ((SDPBackend.FLASH_ATTENTION, "torch sdpa flash"),
-                                   (SDPBackend.CUDNN_ATTENTION, "torch sdpa cudnn")):
-                def call(i, backend=backend):
-                    with sdpa_kernel(backend):
-                        F.scaled_dot_product_attention(*qkv[i], is_causal=causal)
-                try:
-                    runs.append((label, median_ms(call, sets)))
-                except Exception as e:  # noqa: BLE001
-                    print(label, "failed:", e)
+            qkv, sets = inputs(b, h, s, d, dtype)
+            runs = time_sdpa(qkv, sets, causal)
             if flex is not None and t_flex < flex_budget:
                 t0 = time.time()
                 try:
