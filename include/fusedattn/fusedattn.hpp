@@ -5,6 +5,7 @@
 
 #include "config.hpp"
 #include "core/cost_model.hpp"
+#include "core/plan.hpp"
 #include "core/problem.hpp"
 #include "core/status.hpp"
 #include "core/tensor.hpp"

@@ -1,0 +1,30 @@
+/// @file plan.hpp
+/// What `fa::plan` answers about a call without running it: which kernel would run, how much scratch memory it
+/// would take, and, when it is not the backend's fused (O(S)-memory) kernel, why not. Plain data.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "status.hpp"
+
+namespace fusedattn {
+
+/// The answer of `fa::plan(policy, problem, q, k, v, o, mask, lse)`.
+struct kernel_plan {
+  /// ok when attend() with the same arguments would run; otherwise the status attend() would return
+  /// (and the fields below are empty).
+  status st{};
+  /// The kernel attend() would run, e.g. "cpu.flash<avx512f>", "cpu.naive", "cuda.flash_hopper", "cuda.naive".
+  std::string kernel;
+  /// Bytes of scratch memory the call would allocate (host memory for CPU policies, device memory for CUDA).
+  std::size_t scratch_bytes = 0;
+  /// True when `kernel` is the backend's fused kernel (memory O(S), no S_q×S_kv intermediate).
+  bool fused = false;
+  /// When not fused: why the policy chose (or was told to choose) another kernel; empty otherwise.
+  std::string why;
+
+  explicit operator bool() const noexcept { return st.ok(); }
+};
+
+}  // namespace fusedattn
