@@ -5,9 +5,10 @@
 #   tests, bench:   catch2 libbenchmark-dev cmake g++
 #   optional peers: libopenblas-dev (naive-on-BLAS peer), python3-matplotlib (bench/plot.py)
 #   fuzzing:        clang-14 libclang-rt-14-dev (libFuzzer, ASan, UBSan runtimes) libomp-14-dev (clang's OpenMP)
+#   distributed:    libopenmpi-dev openmpi-bin (fusedattn/dist over MPI, its tests under mpirun)
 set -euo pipefail
 pkgs=(cmake g++ make libeigen3-dev libxsimd-dev xtl-dev catch2 libbenchmark-dev libopenblas-dev python3-matplotlib
-  clang-14 libclang-rt-14-dev libomp-14-dev)
+  clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
