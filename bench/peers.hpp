@@ -1,6 +1,6 @@
 /// @file peers.hpp
 /// Peers timed in the same run as fusedattn's kernels, where they are installed: today the naive three-pass
-/// pipeline written on OpenBLAS (rows `peer_openblas_naive/...`). PyTorch SDPA is timed by bench/peers/torch_sdpa.py.
+/// pipeline written on OpenBLAS (rows `peer_openblas_naive/...`). PyTorch is timed by bench/peers/torch_peer.py.
 #pragma once
 
 #include <string>

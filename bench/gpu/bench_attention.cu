@@ -5,8 +5,8 @@
 // "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
 // "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep), "profile" one call each for a
 // profiler, "peer DIR" the block-sparse suite with its layouts written to DIR (layout_4096.txt, layout_10000.txt) for
-// bench/gpu/sparse_peer.py, then the default flash on (10,16,1024,128) (1280 items of 128 rows × 1024 keys, as long as
-// the block-sparse items at S 10000). Shapes: docs/PERFORMANCE.md, CUDA section.
+// bench/peers/torch_peer.py --block-sparse, then the default flash on (10,16,1024,128) (1280 items of 128 rows ×
+// 1024 keys, as long as the block-sparse items at S 10000). Shapes and figures: docs/PERFORMANCE.md, CUDA section.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -424,10 +424,10 @@ void block_sparse_suite(int h, int s, double sparsity) {
               dense_queued_ms / copied_queued_ms, mma_sync_ms);
 }
 
-/// Writes a layout as text for bench/gpu/sparse_peer.py: "seq_q seq_kv block_q block_kv batch heads", then
-/// row_offsets on one line, cols on one line. CSR row r = (b · heads + h) · n_q_blocks + q_block (batch 1 and one
-/// pattern per head here: r = h · n_q_blocks + q_block); kv-block kb holds keys [kb · block_kv, (kb + 1) · block_kv)
-/// clipped to seq_kv.
+/// Writes a layout as text for bench/peers/torch_peer.py --block-sparse: "seq_q seq_kv block_q block_kv batch
+/// heads", then row_offsets on one line, cols on one line. CSR row r = (b · heads + h) · n_q_blocks + q_block (batch 1
+/// and one pattern per head here: r = h · n_q_blocks + q_block); kv-block kb holds keys [kb · block_kv, (kb + 1) ·
+/// block_kv) clipped to seq_kv.
 bool write_layout(const fa::block_layout& layout, const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
@@ -510,7 +510,7 @@ int main(int argc, char** argv) {
     flash_suite<Eigen::bfloat16>({1, 1, 4096, 64, false});
     return 0;
   }
-  if (argc > 2 && std::string(argv[2]) == "peer") {  // block-sparse and short dense items, beside sparse_peer.py
+  if (argc > 2 && std::string(argv[2]) == "peer") {  // block-sparse and short dense items, for torch_peer.py
     if (argc < 4) {
       std::fprintf(stderr, "usage: %s OUT.jsonl peer DIR\n", argv[0]);
       return 1;

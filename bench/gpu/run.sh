@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's whole session in one script: GPU tests, compute-sanitizer on small shapes, a deliberately broken
 # build's tests (they must fail), fusedattn's timings and PyTorch's (SDPA flash / cuDNN, FlexAttention) in the same
-# run, block-sparse beside FlexAttention on the same layouts (bench_gpu's peer mode, sparse_peer.py), and a table last. Logs and JSON go to $OUT (default ./gpu-out).
+# run, block-sparse beside FlexAttention on the same layouts (bench_gpu's peer mode, bench/peers/torch_peer.py
+# --block-sparse), and a table last. Logs and JSON go to $OUT (default ./gpu-out).
 #   bench/gpu/run.sh            build in build-gpu (needs .deps from shared/device/fetch-deps.sh), then run
 #   bench/gpu/run.sh BIN_DIR    use prebuilt test_gpu, bench_gpu (and optional test_gpu_broken) from BIN_DIR
 #   STAGES="tests sanitize broken bench torch peer" (the default: all) picks stages; FLEX_BUDGET caps FlexAttention's seconds;
@@ -42,7 +43,7 @@ done
 fi
 
 if [[ $STAGES == *" broken "* && -x "$BIN/test_gpu_broken" ]]; then
-  echo "== a deliberately broken build (see docs/PERFORMANCE.md, CUDA section) must fail the tests"
+  echo "== a deliberately broken build (test_gpu_broken: test_gpu built with a kernel bug on purpose) must fail the tests"
   "$BIN/test_gpu_broken" "${BROKEN_TAGS:-[flash],[block_sparse]}" -r compact >"$OUT/broken.log" 2>&1
   echo "test_gpu_broken exit code $? (non-zero expected)" | tee -a "$OUT/broken.log"
   tail -2 "$OUT/broken.log"
@@ -55,13 +56,15 @@ if [[ $STAGES == *" bench "* ]]; then
 fi
 if [[ $STAGES == *" torch "* ]]; then
   echo "== PyTorch timings"
-  PYTHONUNBUFFERED=1 python3 bench/gpu/torch_peer.py "$OUT/torch.jsonl" "${FLEX_BUDGET:-240}" 2>&1 | tee -a "$OUT/bench.log"
+  PYTHONUNBUFFERED=1 python3 bench/peers/torch_peer.py --device cuda --suite gpu --backends flash,cudnn,flex \
+    --flex-budget "${FLEX_BUDGET:-240}" --out "$OUT/torch.json" 2>&1 | tee -a "$OUT/bench.log"
 fi
 if [[ $STAGES == *" peer "* ]]; then
   echo "== block-sparse beside FlexAttention on the same layouts, and dense kernels on items as short"
   mkdir -p "$OUT/peer"
   "$BIN/bench_gpu" "$OUT/peer/fusedattn.jsonl" peer "$OUT/peer" >"$OUT/peer/bench.log" 2>&1
-  PYTHONUNBUFFERED=1 python3 bench/gpu/sparse_peer.py "$OUT/peer/torch.jsonl" "$OUT/peer" "$OUT/peer/fusedattn.jsonl" 2>&1 |
+  PYTHONUNBUFFERED=1 python3 bench/peers/torch_peer.py --block-sparse "$OUT/peer" --ours "$OUT/peer/fusedattn.jsonl" \
+    --out "$OUT/peer/torch.json" 2>&1 |
     tee "$OUT/peer/torch.log" | sed -n '/== summary/,$p'
 fi
-python3 bench/gpu/table.py "$OUT/fusedattn.jsonl" "$OUT/torch.jsonl" | tee "$OUT/table.txt"
+python3 bench/gpu/table.py "$OUT/fusedattn.jsonl" "$OUT/torch.json" | tee "$OUT/table.txt"

@@ -1,0 +1,692 @@
+#!/usr/bin/env python3
+"""PyTorch's attention on fusedattn's benchmark shapes, written in fusedattn-bench's JSON schema (Google Benchmark's
+format with the same counters), so bench/compare.py, bench/plot.py and bench/gpu/table.py read the rows beside ours.
+
+    python3 bench/peers/torch_peer.py [--device cpu|cuda|all] [--suite bench|gpu|gpu-d64|gpu-d96] [--full]
+        [--backends flash,efficient,cudnn,flex] [--flex-budget SECONDS] [--min-time SECONDS] [--repetitions N]
+        [--threads N] [--filter REGEX] [--out FILE]
+    python3 bench/peers/torch_peer.py --block-sparse DIR [--ours FUSEDATTN.jsonl] [--out FILE]
+    python3 bench/peers/torch_peer.py --interleave PATH/fusedattn-tile-sweep [--rounds N] [--shapes "B,H,S,D;..."]
+        [--thread-counts 1,16] [--min-time SECONDS] [--repetitions N] [--out FILE]
+
+Modes:
+  default        SDPA and FlexAttention on a suite of shapes. `--suite bench` (default): fusedattn-bench's shapes (the
+                 leaderboard's (B, H, S, D) and the assignment's S = 128, 512, 1024 with 8 heads, D = 64) on the CPU
+                 (f32 with 1 and all threads, f16 with all threads; --full: every combination) and on CUDA (f16;
+                 --full adds f32 and the math backend). `--suite gpu`: the shapes of bench/gpu/bench_attention.cu
+                 (f16 and bf16, dense and causal); `gpu-d64` its unmasked head_dim 64 sweep, `gpu-d96` its head_dim 96
+                 rows. --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
+  --block-sparse FlexAttention's block-sparse speed-up on the layouts `bench_gpu OUT.jsonl peer DIR` writes
+                 (layout_4096.txt, layout_10000.txt: B 1, H 16, D 128, f16, 128 x 512 blocks, sparsity 0.9), beside
+                 dense SDPA (flash, cuDNN) and dense FlexAttention, then the dense kernels on (10,16,1024,128): 1280
+                 items of 128 query rows x 1024 keys, as long as the block-sparse items at S 10000. FlexAttention rows
+                 also carry the time per call with 10 calls queued back to back. With --ours (bench_gpu's JSON lines
+                 of the same run) a summary puts fusedattn's figures beside these.
+  --interleave   PyTorch's CPU SDPA and fusedattn's CPU flash (timed by fusedattn-tile-sweep: f32, dense,
+                 policy::cpu<> with the heuristic tiles) on the same shapes, interleaved: per round, shape and thread
+                 count one timing of each back to back, the order alternating per round, so a machine whose speed
+                 drifts slows both sides of a pair alike. Rows `peer_torch_sdpa_cpu/...` and `flash/...` hold each
+                 side's median over the rounds; the torch row also the per-round ratios torch / ours
+                 (ratio_median, ratio_min, ratio_max: above 1 means fusedattn is faster).
+
+Rows: name `KERNEL/DTYPE/MASK/bB_hH_sS_dD[/threads:T]`, label "DTYPE MASK", counters b h h_kv s_q s_kv d threads
+density flop bytes bytes_min FLOP/s B/s max_err. Kernels: peer_torch_sdpa_cpu (CPU SDPA under
+torch.set_num_threads(T)), peer_torch_flash / peer_torch_efficient / peer_torch_cudnn / peer_torch_math (CUDA SDPA
+restricted to one backend by sdpa_kernel), peer_torch_flex (torch.compile(flex_attention); causal and block-sparse
+through a BlockMask). Causal is PyTorch's is_causal (top-left), like the bench's `causal`; FLOPs count the allowed
+score entries (density). `bytes` is the compulsory traffic (Q, K, V, O once): a foreign kernel's modelled traffic
+is not known.
+
+Every row is checked before it is timed: up to 256 query rows of batch 0, head 0 against a float64
+softmax(scale·QKᵀ + mask)·V on the CPU; a row whose error exceeds its type's tolerance is written as an error row
+(error_occurred and the message), never timed. A backend that refuses a shape (flash with f32, an old GPU) is
+skipped with a note on stderr. CPU times are wall clock per call, the median of --repetitions runs of a call count
+calibrated to --min-time; CUDA times are CUDA events around one call, the median of 10 to 100 calls (until 300 ms),
+cycling through enough input sets that a pass over them exceeds the L2 several times.
+
+Needs torch >= 2.3 (torch.nn.attention.sdpa_kernel); FlexAttention needs torch >= 2.5 and is skipped without it.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+LEADERBOARD = [(1, 1, 128, 64), (1, 1, 512, 64), (1, 1, 1024, 64), (1, 1, 2048, 64), (1, 1, 4096, 64),
+               (1, 8, 512, 64), (1, 12, 512, 64), (1, 32, 512, 64), (1, 32, 1024, 128), (1, 32, 2048, 128)]
+ASSIGNMENT = [(1, 8, 128, 64), (1, 8, 512, 64), (1, 8, 1024, 64)]
+# bench/gpu/bench_attention.cu's flash suite: (B, H, S, D, causal).
+GPU_SHAPES = [(1, 32, 2048, 128, False), (1, 32, 2048, 128, True), (2, 16, 8192, 128, False),
+              (2, 16, 8192, 128, True), (1, 16, 16384, 128, False), (1, 16, 16384, 128, True),
+              (4, 32, 4096, 64, False), (4, 32, 4096, 64, True), (1, 32, 1024, 128, False), (1, 1, 4096, 64, False),
+              (1, 32, 512, 64, False), (4, 16, 4096, 256, False), (4, 16, 4096, 256, True),
+              (4, 16, 4096, 96, False), (4, 16, 4096, 96, True)]
+GPU_D64_SHAPES = [(8, 32, 512, 64, False), (8, 32, 1024, 64, False), (4, 32, 2048, 64, False),
+                  (4, 32, 4096, 64, False), (2, 32, 8192, 64, False)]
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# Largest |error| against the float64 reference accepted per storage type (inputs uniform in [-1, 1)).
+TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
+CHECK_ROWS = 256
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+# Block-sparse mode: bench_gpu's block-sparse suite (B 1, f16, 128 x 512 blocks, sparsity 0.9).
+SPARSE_H, SPARSE_D, SPARSE_SPARSITY, SPARSE_SEQS = 16, 128, 0.9, (4096, 10000)
+SHORT_ITEMS = (10, 16, 1024, 128)
+QUEUED_CALLS = 10
+PAD_BLOCKS = 8  # inactive blocks past the layout, for indices past the sequence a mask_mod may be asked about
+
+
+def note(*parts):
+    print("torch_peer:", *parts, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the schema
+
+def shape_name(b, h, s, d):
+    return "b%d_h%d_s%d_d%d" % (b, h, s, d)
+
+
+def causal_fraction(s_q, s_kv):
+    """Fraction of score entries a top-left causal mask allows."""
+    return sum(min(i + 1, s_kv) for i in range(s_q)) / float(s_q * s_kv)
+
+
+def bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, max_err, **extra):
+    """One row of fusedattn-bench's schema: time per call in microseconds, the bench's counters."""
+    b, h, s, d = shape
+    flop = 4.0 * b * h * s * s * d * density
+    bytes_min = torch.tensor([], dtype=DTYPES[dtype]).element_size() * 4.0 * b * h * s * d
+    row = {"name": name, "run_name": name, "run_type": "iteration", "repetitions": 1, "repetition_index": 0,
+           "threads": threads, "iterations": iterations, "real_time": seconds * 1e6, "cpu_time": seconds * 1e6,
+           "time_unit": "us", "b": b, "h": h, "h_kv": h, "s_q": s, "s_kv": s, "d": d, "density": density,
+           "flop": flop, "bytes": bytes_min, "bytes_min": bytes_min, "FLOP/s": flop / seconds,
+           "B/s": bytes_min / seconds, "label": "%s %s" % (dtype, mask)}
+    if max_err is not None:
+        row["max_err"] = max_err
+    row.update(extra)
+    return row
+
+
+def error_row(name, shape, dtype, mask, threads, message):
+    b, h, s, d = shape
+    return {"name": name, "run_name": name, "run_type": "iteration", "repetitions": 1, "repetition_index": 0,
+            "threads": threads, "iterations": 0, "real_time": 0, "cpu_time": 0, "time_unit": "us",
+            "error_occurred": True, "error_message": message, "b": b, "h": h, "h_kv": h, "s_q": s, "s_kv": s,
+            "d": d, "label": "%s %s" % (dtype, mask)}
+
+
+class Output:
+    """The JSON document; rewritten after every row, so an interrupted run keeps what it measured."""
+
+    def __init__(self, path, mode):
+        self.path, self.rows = path, []
+        self.context = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_name": socket.gethostname(), "executable": "bench/peers/torch_peer.py " + mode,
+            "num_cpus": os.cpu_count(), "library_build_type": "release",
+            "fusedattn_peers": "torch %s, %s%s" % (
+                torch.__version__, platform.processor() or platform.machine(),
+                (", " + torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "")}
+
+    def add(self, row):
+        if row is None:
+            return
+        row["family_index"] = len(self.rows)
+        row["per_family_instance_index"] = 0
+        self.rows.append(row)
+        self.write()
+
+    def write(self):
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump({"context": self.context, "benchmarks": self.rows}, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------- inputs and timing
+
+def cpu_inputs(shape, dtype, seed=1):
+    """Q, K, V uniform in [-1, 1) on the CPU."""
+    b, h, s, d = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [(torch.rand(b, h, s, d, generator=g) * 2 - 1).to(DTYPES[dtype]) for _ in range(3)]
+
+
+def cuda_inputs(shape, dtype, seed=1):
+    """Input sets [Q, K, V] in [-1, 1) on the GPU, enough (at most 4) that one pass over them exceeds the L2 several
+    times."""
+    b, h, s, d = shape
+    sets = max(1, min(4, math.ceil(4 * 60e6 / (3 * b * h * s * d * 2))))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [[torch.rand(b, h, s, d, device="cuda", dtype=DTYPES[dtype], generator=gen) * 2 - 1 for _ in range(3)]
+            for _ in range(sets)]
+
+
+def time_cpu(fn, min_time, repetitions):
+    """(median seconds per call over `repetitions` runs of a call count lasting about min_time, the call count)."""
+    fn()
+    calls = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_time or calls >= 1 << 20:
+            break
+        calls = max(calls * 2, int(calls * min_time / max(elapsed, 1e-9) * 1.2))
+    per_call = [elapsed / calls]
+    for _ in range(repetitions - 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per_call), calls
+
+
+def time_cuda(fn, sets):
+    """(median seconds of one call fn(i) between two CUDA events, the call count): 3 warm-up calls, then 10 to 100
+    calls until 300 ms, cycling through the input sets."""
+    for i in range(3):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times, total = [], 0.0
+    while len(times) < 100 and (len(times) < 10 or total < 300.0):
+        start.record()
+        fn(len(times) % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+        total += times[-1]
+    return statistics.median(times) * 1e-3, len(times)
+
+
+def time_cuda_queued(fn, sets, calls=QUEUED_CALLS):
+    """Median seconds of one call with `calls` calls queued between two events (the host's work overlaps the
+    previous call's kernels): 3 warm-up rounds, 30 rounds."""
+    for i in range(3 * calls):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(30):
+        start.record()
+        for i in range(calls):
+            fn((r * calls + i) % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times) * 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------ checking
+
+def max_error(out, q, k, v, allowed=None, causal=False):
+    """Largest |out − reference| over up to CHECK_ROWS query rows of batch 0, head 0; the reference is
+    softmax(QKᵀ/√d + mask)·V in float64 on the CPU. `allowed(rows, s_kv)` gives a boolean [rows, s_kv] mask."""
+    n = min(CHECK_ROWS, q.shape[-2])
+    q0 = q[0, 0, :n].detach().to("cpu", torch.float64)
+    k0, v0 = (x[0, 0].detach().to("cpu", torch.float64) for x in (k, v))
+    s = q0 @ k0.T / math.sqrt(q0.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    if allowed is not None:
+        s = s.masked_fill(~allowed(n, k0.shape[0]), float("-inf"))
+    ref = torch.softmax(s, dim=-1) @ v0
+    return float((out[0, 0, :n].to("cpu", torch.float64) - ref).abs().max())
+
+
+def checked_row(name, attend, qkv_sets, shape, dtype, mask, threads, density, device, args, allowed=None,
+                queued=False, **extra):
+    """Checks one call against float64, then times it; returns a row, an error row, or None (backend refused)."""
+    causal = mask == "causal"
+    q, k, v = qkv_sets[0]
+    try:
+        out = attend(q, k, v)
+    except Exception as e:  # noqa: BLE001 - the backend does not take this dtype / shape / GPU, or cannot compile
+        note("%s skipped: %s" % (name, (str(e).splitlines() or [type(e).__name__])[0]))
+        return None
+    err = max_error(out, q, k, v, allowed, causal)
+    del out
+    if not err <= TOLERANCE[dtype]:
+        return error_row(name, shape, dtype, mask, threads,
+                         "max error %.3g against float64 exceeds %.3g" % (err, TOLERANCE[dtype]))
+    sets = len(qkv_sets)
+    if device == "cuda":
+        seconds, iterations = time_cuda(lambda i: attend(*qkv_sets[i]), sets)
+        if queued:
+            extra["queued_real_time"] = time_cuda_queued(lambda i: attend(*qkv_sets[i]), sets) * 1e6
+    else:
+        seconds, iterations = time_cpu(lambda: attend(q, k, v), args.min_time, args.repetitions)
+    note("%-64s %12.1f us  max_err %.2g" % (name, seconds * 1e6, err))
+    return bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, err, **extra)
+
+
+# ----------------------------------------------------------------------------------------------------- the calls
+
+def sdpa_with(backend, causal):
+    """attend(q, k, v) restricted to one SDPA backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
+
+    def attend(q, k, v):
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attend
+
+
+class Flex:
+    """torch.compile(flex_attention) with one BlockMask per (mask, S); None where FlexAttention is missing."""
+
+    def __init__(self):
+        # One compiled kernel per shape and mask: let dynamo keep them all instead of falling back to eager.
+        for key in ("recompile_limit", "cache_size_limit"):
+            try:
+                setattr(torch._dynamo.config, key, 256)
+            except Exception:  # noqa: BLE001 - a name this version lacks
+                pass
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        self.create_block_mask = create_block_mask
+        self.compiled = torch.compile(flex_attention, dynamic=False)
+        self.masks = {}
+
+    def causal(self, s):
+        if s not in self.masks:
+            self.masks[s] = self.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s, s,
+                                                   device="cuda")
+        return self.masks[s]
+
+    def attend(self, causal, block_mask=None):
+        def call(q, k, v):
+            bm = self.causal(q.shape[-2]) if causal else block_mask
+            return self.compiled(q, k, v, block_mask=bm)
+        return call
+
+
+def make_flex():
+    try:
+        return Flex()
+    except Exception as e:  # noqa: BLE001 - report and go on without FlexAttention
+        note("FlexAttention unavailable (%s)" % e)
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ the suite mode
+
+def bench_rows(full, max_threads, types):
+    """(shape, dtype, mask, threads) in fusedattn-bench's order. Quick: the leaderboard dense, in types[0] with 1 and
+    all threads and in the other types with all threads, then the assignment shapes in types[0], dense and causal,
+    1 thread. Full: every shape x type x {dense, causal} x {1, all threads}."""
+    both = sorted({1, max_threads})
+    rows = []
+    for sh in LEADERBOARD:
+        if full:
+            rows += [(sh, t, m, th) for t in types for m in ("dense", "causal") for th in both]
+        else:
+            rows += [(sh, types[0], "dense", th) for th in both]
+            rows += [(sh, t, "dense", max_threads) for t in types[1:]]
+    for sh in ASSIGNMENT:
+        for t in (types if full else types[:1]):
+            rows += [(sh, t, m, th) for m in ("dense", "causal") for th in (both if full else [1])]
+    unique = []  # (1, 8, 512, 64) is both a leaderboard and an assignment shape
+    for r in rows:
+        if r not in unique:
+            unique.append(r)
+    return unique
+
+
+def gpu_rows(args):
+    """(shape, dtype, mask) of the CUDA rows of a suite."""
+    if args.suite == "bench":
+        types = ["f16", "f32"] if args.full else ["f16"]
+        return [(sh, t, m) for sh, t, m, _ in bench_rows(args.full, 1, types)]
+    shapes = {"gpu": GPU_SHAPES, "gpu-d64": GPU_D64_SHAPES,
+              "gpu-d96": [c for c in GPU_SHAPES if c[3] == 96]}[args.suite]
+    return [((b, h, s, d), t, "causal" if c else "dense") for t in ("f16", "bf16") for (b, h, s, d, c) in shapes]
+
+
+def run_suite(args, out):
+    keep = re.compile(args.filter)
+    want_cpu = args.device in ("cpu", "all") and args.suite == "bench"
+    want_cuda = args.device == "cuda" or (args.device == "all" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("torch_peer: --device cuda but torch.cuda.is_available() is False")
+
+    if want_cpu:
+        with torch.inference_mode():
+            for shape, dtype, mask, threads in bench_rows(args.full, args.threads, ["f32", "f16"]):
+                name = "peer_torch_sdpa_cpu/%s/%s/%s/threads:%d" % (dtype, mask, shape_name(*shape), threads)
+                if not keep.search(name):
+                    continue
+                torch.set_num_threads(threads)
+                causal = mask == "causal"
+                attend = lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)  # noqa: E731
+                density = causal_fraction(shape[2], shape[2]) if causal else 1.0
+                out.add(checked_row(name, attend, [cpu_inputs(shape, dtype)], shape, dtype, mask, threads, density,
+                                    "cpu", args))
+
+    if want_cuda:
+        backends = [b for b in args.backends.split(",") if b]
+        if args.full and args.suite == "bench" and "math" not in backends:
+            backends.append("math")
+        flex = make_flex() if "flex" in backends else None
+        flex_seconds = 0.0
+        with torch.inference_mode():
+            for shape, dtype, mask in gpu_rows(args):
+                causal = mask == "causal"
+                qkv = None
+                for backend in backends:
+                    kernel = "peer_torch_" + backend
+                    name = "%s/%s/%s/%s" % (kernel, dtype, mask, shape_name(*shape))
+                    if not keep.search(name):
+                        continue
+                    if backend == "flex":
+                        if flex is None or flex_seconds >= args.flex_budget:
+                            continue
+                        attend = flex.attend(causal)
+                    elif backend in SDPA_BACKENDS:
+                        attend = sdpa_with(backend, causal)
+                    else:
+                        sys.exit("torch_peer: unknown backend %r (flash, efficient, cudnn, math, flex)" % backend)
+                    qkv = qkv or cuda_inputs(shape, dtype)
+                    # The math backend computes every score; the fused ones skip fully masked tiles.
+                    density = causal_fraction(shape[2], shape[2]) if causal and backend != "math" else 1.0
+                    t0 = time.time()
+                    out.add(checked_row(name, attend, qkv, shape, dtype, mask, 1, density, "cuda", args))
+                    if backend == "flex":
+                        flex_seconds += time.time() - t0
+                del qkv
+                torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------- the block-sparse mode
+
+def read_layout(path):
+    """bench_gpu's layout file: "seq_q seq_kv block_q block_kv batch heads", then row_offsets, then cols (CSR).
+    Row r = (b * heads + h) * n_q + q_block lists the active kv-blocks of q-block row q_block of pattern
+    b * heads + h; kv-block kb holds keys [kb * block_kv, (kb + 1) * block_kv), both clipped to the sequence."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    seq_q, seq_kv, block_q, block_kv, batch, heads = (int(x) for x in lines[0].split())
+    offsets = [int(x) for x in lines[1].split()]
+    cols = [int(x) for x in lines[2].split()] if len(lines) > 2 else []
+    n_q, n_kv = -(-seq_q // block_q), -(-seq_kv // block_kv)
+    if len(offsets) != batch * heads * n_q + 1 or offsets[0] != 0 or offsets[-1] != len(cols):
+        raise ValueError("%s: row_offsets do not describe %d rows of %d cols" % (path, batch * heads * n_q, len(cols)))
+    if any(c < 0 or c >= n_kv for c in cols):
+        raise ValueError("%s: a kv-block index outside [0, %d)" % (path, n_kv))
+    return dict(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads, n_q=n_q,
+                n_kv=n_kv, offsets=offsets, cols=cols)
+
+
+def active_blocks(lay):
+    """(pattern, q_block, kv_block) of every active block."""
+    out = []
+    for r in range(len(lay["offsets"]) - 1):
+        pattern, qb = divmod(r, lay["n_q"])
+        out.extend((pattern, qb, lay["cols"][t]) for t in range(lay["offsets"][r], lay["offsets"][r + 1]))
+    return out
+
+
+def fractions(lay):
+    """Active blocks over all blocks (bench_gpu's active_fraction) and allowed (query, key) pairs over all."""
+    patterns = lay["batch"] * lay["heads"]
+    blocks = len(lay["cols"]) / float(patterns * lay["n_q"] * lay["n_kv"])
+    pairs = sum(min(lay["block_q"], lay["seq_q"] - qb * lay["block_q"]) *
+                min(lay["block_kv"], lay["seq_kv"] - kb * lay["block_kv"]) for _, qb, kb in active_blocks(lay))
+    return blocks, pairs / float(patterns * lay["seq_q"] * lay["seq_kv"])
+
+
+def block_table(lay):
+    """Boolean [patterns, n_q + PAD_BLOCKS, n_kv + PAD_BLOCKS], True where a block is active (CPU)."""
+    t = torch.zeros(lay["batch"] * lay["heads"], lay["n_q"] + PAD_BLOCKS, lay["n_kv"] + PAD_BLOCKS, dtype=torch.bool)
+    idx = torch.tensor(active_blocks(lay), dtype=torch.long)
+    t[idx[:, 0], idx[:, 1], idx[:, 2]] = True
+    return t
+
+
+def read_ours(path):
+    """bench_gpu's JSON lines of the same run: block-sparse rows by S, short-item flash rows by dtype."""
+    ours = {}
+    if not path:
+        return ours
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if rec.get("kernel") == "block-sparse vs dense flash":
+                    ours[rec["s"]] = rec
+                elif rec.get("kernel") == "flash (default tile)" and (
+                        rec.get("b"), rec.get("h"), rec.get("s"), rec.get("d")) == SHORT_ITEMS:
+                    ours[rec["dtype"]] = rec
+    except (OSError, ValueError, KeyError) as e:
+        note("cannot read", path, ":", e)
+    return ours
+
+
+def run_block_sparse(args, out):
+    if not torch.cuda.is_available():
+        sys.exit("torch_peer: --block-sparse needs a GPU")
+    flex = make_flex()
+    note("device:", torch.cuda.get_device_name(0), "torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())
+    summary = {}
+    with torch.inference_mode():
+        for s in SPARSE_SEQS:
+            try:
+                lay = read_layout(os.path.join(args.block_sparse, "layout_%d.txt" % s))
+            except (OSError, ValueError) as e:
+                note("S %d: no layout:" % s, e)
+                continue
+            if (lay["seq_q"], lay["seq_kv"], lay["batch"], lay["heads"]) != (s, s, 1, SPARSE_H):
+                note("S %d: the layout is for another shape" % s)
+                continue
+            block_frac, pair_frac = fractions(lay)
+            shape = (1, SPARSE_H, s, SPARSE_D)
+            qkv = cuda_inputs(shape, "f16")
+            times = {}
+            for backend in ("flash", "cudnn"):
+                row = checked_row("peer_torch_%s/f16/dense/%s" % (backend, shape_name(*shape)),
+                                  sdpa_with(backend, False), qkv, shape, "f16", "dense", 1, 1.0, "cuda", args)
+                out.add(row)
+                if row and not row.get("error_occurred"):
+                    times[backend] = row["real_time"]
+            if flex is not None:
+                row = checked_row("peer_torch_flex/f16/dense/%s" % shape_name(*shape), flex.attend(False), qkv,
+                                  shape, "f16", "dense", 1, 1.0, "cuda", args, queued=True)
+                out.add(row)
+                if row and not row.get("error_occurred"):
+                    times["flex"], times["flex queued"] = row["real_time"], row["queued_real_time"]
+                table = block_table(lay)
+                table_gpu = table.cuda()
+                bq, bkv = lay["block_q"], lay["block_kv"]
+                t0 = time.time()
+                try:  # Flex's BLOCK_SIZE 128: a 512-key block is four of its blocks
+                    bm = flex.create_block_mask(lambda b, h, qi, ki: table_gpu[h, qi // bq, ki // bkv], 1, SPARSE_H,
+                                                s, s, device="cuda")
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory for the element mask: build it compiled
+                    note("create_block_mask failed, compiling it:", e)
+                    torch.cuda.empty_cache()
+                    bm = torch.compile(flex.create_block_mask)(
+                        lambda b, h, qi, ki: table_gpu[h, qi // bq, ki // bkv], 1, SPARSE_H, s, s, device="cuda")
+                note("S %d: create_block_mask %.1f s" % (s, time.time() - t0))
+
+                def allowed(rows, s_kv, t=table):  # head 0's pattern, for the float64 check
+                    qi = torch.arange(rows) // bq
+                    ki = torch.arange(s_kv) // bkv
+                    return t[0][qi[:, None], ki[None, :]]
+                extra = dict(sparsity=SPARSE_SPARSITY, active_fraction=round(block_frac, 4),
+                             ideal_speedup=round(1 / block_frac, 2))
+                row = checked_row("peer_torch_flex/f16/block_sparse/%s" % shape_name(*shape),
+                                  flex.attend(False, bm), qkv, shape, "f16", "block_sparse", 1, pair_frac, "cuda",
+                                  args, allowed=allowed, queued=True, **extra)
+                if row and not row.get("error_occurred"):
+                    times["flex block-sparse"] = row["real_time"]
+                    times["flex block-sparse queued"] = row["queued_real_time"]
+                    if "flex" in times:
+                        row["speedup"] = times["flex"] / row["real_time"]
+                        row["queued_speedup"] = times["flex queued"] / row["queued_real_time"]
+                    for key, counter in (("cudnn", "speedup_vs_cudnn"), ("flash", "speedup_vs_sdpa_flash")):
+                        if key in times:
+                            row[counter] = times[key] / row["real_time"]
+                out.add(row)
+            summary[s] = (times, block_frac)
+            del qkv
+            torch.cuda.empty_cache()
+
+        short = {}
+        for dtype in ("f16", "bf16"):
+            qkv = cuda_inputs(SHORT_ITEMS, dtype)
+            short[dtype] = {}
+            for backend in ("flash", "cudnn", "flex"):
+                if backend == "flex" and flex is None:
+                    continue
+                attend = flex.attend(False) if backend == "flex" else sdpa_with(backend, False)
+                row = checked_row("peer_torch_%s/%s/dense/%s" % (backend, dtype, shape_name(*SHORT_ITEMS)), attend,
+                                  qkv, SHORT_ITEMS, dtype, "dense", 1, 1.0, "cuda", args, queued=backend == "flex")
+                out.add(row)
+                if row and not row.get("error_occurred"):
+                    short[dtype][backend] = row["real_time"]
+            del qkv
+            torch.cuda.empty_cache()
+
+    ours = read_ours(args.ours)
+    print("== summary (us; speed-up = dense / block-sparse)")
+    for s, (t, block_frac) in summary.items():
+        g = lambda key: t.get(key, float("nan"))  # noqa: E731
+        sp = g("flex block-sparse")
+        print("S %5d (1,%d,%d,%d) f16, block-sparse %.2f, active %.4f (ideal %.2fx): flex dense %.1f, flex "
+              "block-sparse %.1f -> %.2fx (queued %.2fx); cuDNN dense %.1f -> %.2fx; sdpa flash dense %.1f" % (
+                  s, SPARSE_H, s, SPARSE_D, SPARSE_SPARSITY, block_frac, 1 / block_frac, g("flex"), sp,
+                  g("flex") / sp, g("flex queued") / g("flex block-sparse queued"), g("cudnn"), g("cudnn") / sp,
+                  g("flash")))
+        if s in ours:
+            o = ours[s]
+            print("        fusedattn: dense flash %.1f, block-sparse (device layout) %.1f -> %.2fx (queued %.2fx); "
+                  "flex block-sparse / fusedattn block-sparse %.2f" % (
+                      o["dense_ms"] * 1e3, o["device_layout_ms"] * 1e3, o["device_layout_speedup"],
+                      o["device_layout_queued_speedup"], sp / (o["device_layout_ms"] * 1e3)))
+    b, h, s, d = SHORT_ITEMS
+    flop = 4.0 * b * h * s * s * d
+    for dtype, t in short.items():
+        line = ", ".join("%s %.1f us (%.0f TFLOP/s)" % (k, us, flop / (us * 1e-6) / 1e12) for k, us in t.items())
+        if dtype in ours:
+            line += ", fusedattn flash %.1f us (%.0f TFLOP/s)" % (ours[dtype]["ms"] * 1e3, ours[dtype]["tflops"])
+        print("short items %s %s: %s" % (dtype, SHORT_ITEMS, line))
+
+
+# ------------------------------------------------------------------------------------------ the interleaved mode
+
+def time_ours(binary, shape, threads, min_time, repetitions):
+    """Median seconds per call of fusedattn's CPU flash on `shape` with `threads` threads (fusedattn-tile-sweep)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        subprocess.run([binary, "--shapes=%d,%d,%d,%d" % shape, "--threads=%d" % threads,
+                        "--min-time=%g" % min_time, "--reps=%d" % repetitions, "--json=" + path],
+                       check=True, stdout=subprocess.DEVNULL)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)[0]["us"] * 1e-6
+    finally:
+        os.unlink(path)
+
+
+def time_torch_cpu(shape, threads, min_time, repetitions):
+    """Median seconds per call of torch's CPU SDPA on `shape` with `threads` threads."""
+    torch.set_num_threads(threads)
+    q, k, v = cpu_inputs(shape, "f32")
+    with torch.inference_mode():
+        return time_cpu(lambda: F.scaled_dot_product_attention(q, k, v), min_time, repetitions)[0]
+
+
+def run_interleaved(args, out):
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
+    threads = [int(t) for t in args.thread_counts.split(",")]
+    with torch.inference_mode():  # one checked call per shape before any timing
+        for sh in shapes:
+            q, k, v = cpu_inputs(sh, "f32")
+            err = max_error(F.scaled_dot_product_attention(q, k, v), q, k, v)
+            if not err <= TOLERANCE["f32"]:
+                sys.exit("torch_peer: torch's SDPA on %s is off by %.3g against float64" % (sh, err))
+    times = {(sh, t): {"torch": [], "ours": []} for sh in shapes for t in threads}
+    for r in range(args.rounds):
+        for sh in shapes:
+            for t in threads:
+                for side in (("torch", "ours") if r % 2 == 0 else ("ours", "torch")):
+                    if side == "torch":
+                        sec = time_torch_cpu(sh, t, args.min_time, args.repetitions)
+                    else:
+                        sec = time_ours(args.interleave, sh, t, args.min_time, args.repetitions)
+                    times[(sh, t)][side].append(sec)
+                note("round %d %-16s t%-3d torch %10.1f us  ours %10.1f us" % (
+                    r, "(%d,%d,%d,%d)" % sh, t, times[(sh, t)]["torch"][-1] * 1e6, times[(sh, t)]["ours"][-1] * 1e6))
+    print("%-18s %7s %12s %12s %14s %18s" % ("problem", "threads", "torch us", "ours us", "torch/ours",
+                                           "per-round range"))
+    for (sh, t), v in times.items():
+        ratios = [a / b for a, b in zip(v["torch"], v["ours"])]
+        suffix = "f32/dense/%s/threads:%d" % (shape_name(*sh), t)
+        out.add(bench_row("peer_torch_sdpa_cpu/" + suffix, sh, "f32", "dense", t, 1.0, statistics.median(v["torch"]),
+                          args.rounds, None, rounds=args.rounds, ratio_median=statistics.median(ratios),
+                          ratio_min=min(ratios), ratio_max=max(ratios)))
+        out.add(bench_row("flash/" + suffix, sh, "f32", "dense", t, 1.0, statistics.median(v["ours"]), args.rounds,
+                          None, rounds=args.rounds))
+        print("%-18s %7d %12.1f %12.1f %13.2fx %8.2fx .. %.2fx" % (
+            "(%d,%d,%d,%d)" % sh, t, statistics.median(v["torch"]) * 1e6, statistics.median(v["ours"]) * 1e6,
+            statistics.median(ratios), min(ratios), max(ratios)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
+                    help="suite mode: cpu, cuda, or all (default: the CPU, and CUDA when a GPU is present)")
+    ap.add_argument("--suite", choices=["bench", "gpu", "gpu-d64", "gpu-d96"], default="bench",
+                    help="suite mode: fusedattn-bench's shapes (default) or bench_gpu's (CUDA only)")
+    ap.add_argument("--full", action="store_true", help="bench suite: every combination, like fusedattn-bench --full")
+    ap.add_argument("--backends", default="flash,efficient,cudnn,flex",
+                    help="CUDA kernels, comma-separated from flash, efficient, cudnn, math, flex "
+                         "(default flash,efficient,cudnn,flex)")
+    ap.add_argument("--flex-budget", type=float, default=240.0,
+                    help="seconds FlexAttention may take in the suite mode, compiling included (default 240)")
+    ap.add_argument("--block-sparse", metavar="DIR", help="block-sparse mode on the layouts bench_gpu's peer mode "
+                                                         "wrote to DIR")
+    ap.add_argument("--ours", metavar="JSONL", help="block-sparse mode: bench_gpu's JSON lines of the same run")
+    ap.add_argument("--interleave", metavar="TILE_SWEEP", help="interleaved mode: path of fusedattn-tile-sweep")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved mode: rounds (default 5)")
+    ap.add_argument("--shapes", default="1,8,512,64;1,1,4096,64;1,32,1024,128;1,32,512,64",
+                    help="interleaved mode: B,H,S,D;... (default: four leaderboard shapes)")
+    ap.add_argument("--thread-counts", default="1,%d" % (os.cpu_count() or 1),
+                    help="interleaved mode: thread counts (default 1 and all)")
+    ap.add_argument("--min-time", type=float, default=0.2, help="CPU: seconds per timed run (default 0.2)")
+    ap.add_argument("--repetitions", type=int, default=3, help="CPU: timed runs per row, the median kept (default 3)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="suite mode: 'all threads' on the CPU")
+    ap.add_argument("--filter", default="", help="suite mode: only rows whose name this regex matches (re.search)")
+    ap.add_argument("--out", default="torch_peer.json", help="output JSON file (default torch_peer.json)")
+    args = ap.parse_args()
+    if args.block_sparse and args.interleave:
+        sys.exit("torch_peer: --block-sparse and --interleave are separate modes")
+
+    mode = "--block-sparse" if args.block_sparse else "--interleave" if args.interleave else "--suite " + args.suite
+    out = Output(args.out, mode)
+    if args.block_sparse:
+        run_block_sparse(args, out)
+    elif args.interleave:
+        run_interleaved(args, out)
+    else:
+        run_suite(args, out)
+    out.write()
+    note("wrote %d rows to %s" % (len(out.rows), args.out))
+
+
+if __name__ == "__main__":
+    main()
