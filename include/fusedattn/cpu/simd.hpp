@@ -160,8 +160,8 @@ struct simd<Acc, scalar_arch> {
 /// 32-register arches (AVX-512): Q·Kᵀ 4 × 4 (16 accumulators, a Kᵀ panel of 64 keys), P·V 12 × 2 (24
 /// accumulators + 2 streamed V vectors + 1 broadcast): each V vector feeds 12 FMAs, and a packed V chunk of
 /// 2 vectors (32 floats) × 256 keys is 32 KB, so it stays in the 48 KB L1 while every row block of the tile reads
-/// it (a 4-vector chunk is 64 KB and streamed from L2 once per row block). On one thread 4 × 4 measured the same
-/// (Sapphire Rapids class Xeon, Zen 5); with 16 threads on the Xeon 12 × 2 was faster (docs/PERFORMANCE.md).
+/// it (a 4-vector chunk is 64 KB and streamed from L2 once per row block). On one thread 4 × 4 runs as fast (Sapphire
+/// Rapids class Xeon, Zen 5); with 16 threads on the Xeon 12 × 2 is faster.
 /// 16-register arches: 4 × 2 for both; the scalar path 4 × 4 scalars.
 template <class Acc, class Arch>
 struct kernel_shape {

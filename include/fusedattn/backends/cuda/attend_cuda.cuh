@@ -129,7 +129,7 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
       using tile128 = typename hopper_default_tile<128>::type;
       if (p.head_dim == 128) return launch_flash_hopper<E, tile128>(fp, stream);
       // head_dim 96 on the 128 tile: its tensor maps read columns 96–127 as zeros (launch_flash_hopper), so the
-      // tensor cores do 4/3 of the work, and still run it faster than the portable kernel (docs/PERFORMANCE.md).
+      // tensor cores do 4/3 of the work, and still run it faster than the portable kernel does.
       if (p.head_dim == 96 && hopper_fits_mask(mask, tile128::block_m))
         return launch_flash_hopper<E, tile128>(fp, stream);
       // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a

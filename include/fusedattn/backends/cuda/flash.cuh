@@ -423,7 +423,7 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
 }
 
 /// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
-/// bench/gpu times on an H200 (docs/PERFORMANCE.md, CUDA section): head_dim 128 takes 4 warps of 32 rows and 64-key
+/// bench/gpu times (FUSEDATTN_BENCH_TILE_SWEEP): head_dim 128 takes 4 warps of 32 rows and 64-key
 /// tiles, head_dim 64 4 warps of 32 rows and 128-key tiles (each K/V fragment feeds two mma tiles). head_dim 128
 /// keeps two K/V buffers (96 KB of shared memory: two blocks per multiprocessor on sm_90, one on sm_80's 164 KB);
 /// head_dim 64 one (a second costs it register spills).

@@ -66,8 +66,8 @@ struct hopper_tile {
   /// file shared by the blocks).
   static constexpr bool warp_specialized = MinBlocks == 1;
   /// flash_hopper_ws_kernel's consumer warpgroups take turns on the tensor cores (each issues its products once the
-  /// one before it has finished its own). Measured on an H200 (docs/PERFORMANCE.md, eighth session): with three
-  /// warpgroups it gains, with two it loses 2–9 %, so only tiles of three or more take turns.
+  /// one before it has finished its own). Only tiles of three or more consumer warpgroups take turns: with two, the
+  /// warpgroups already alternate and turns only add waiting (docs/design.md, rejected alternatives).
   static constexpr bool take_turns = Warpgroups > 2;
   /// flash_hopper_kernel's shared memory: Q, two K and two V tiles, slack to align the start to an atom, and four
   /// mbarriers (TMA copies).
@@ -488,9 +488,6 @@ static_assert(hopper_consumer_registers<2> == 240 && hopper_consumer_registers<3
 /// (tensor map p.o_map; rows past seq_q are clipped by the copy). The buffer is freed once the copy has read them;
 /// with two Q buffers that thread waits for the read only after the next item's first scores are issued
 /// (release_stored). The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
-/// (H200, block-sparse 0.9 at (1,16,10000,128), one run: the early Q, the TMA store and the item from the producer
-/// took a warpgroup's time per item from 27 100–27 400 to 25 800 cycles, the call from 0.190–0.193 to
-/// 0.178–0.182 ms; docs/PERFORMANCE.md.)
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads + 128, 1)
     flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
@@ -695,7 +692,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           release(&ws.k_empty[stage]);
           release(&ws.v_empty[stage ^ 1]);
           // Into pk_next, then copied: packing straight into pk (free here) changes ptxas's schedule of this
-          // measured kernel (its sm_90a code is byte-identical to the eighth session's this way).
+          // kernel for the worse.
           std::uint32_t pk_next[BN / 8][2];
           tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
 #pragma unroll
@@ -793,13 +790,11 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
   return known[device] == 1;
 }
 
-/// The Hopper kernel's tile for a head dimension, chosen among the tiles bench/gpu times (docs/PERFORMANCE.md, CUDA
-/// section): 128 query rows (two warpgroups) for all; head_dim 128 takes 128-key tiles and one block per
-/// multiprocessor (161 KB of shared memory, 220 registers a thread), head_dim 64 takes 64-key tiles and two blocks
-/// (49 KB each, at most 128 registers), head_dim 256 80-key tiles and one block (225 KB, the most that fits: 96-key
-/// tiles do not; H200, f16/bf16 TFLOP/s against 64-key tiles in three alternated rounds, docs/PERFORMANCE.md, tenth
-/// session: (4,16,4096,256) 618–630 / 641–653 against 587–597 / 608–614, causal 551–563 / 570–580 against
-/// 508–521 / 544–553; one warpgroup of 64 rows ran at 0.55–0.6× on an H100).
+/// The Hopper kernel's tile for a head dimension, chosen among the tiles bench/gpu times (FUSEDATTN_BENCH_TILE_SWEEP):
+/// 128 query rows (two warpgroups) for all; head_dim 128 takes 128-key tiles and one block per multiprocessor
+/// (161 KB of shared memory, 220 registers a thread), head_dim 64 takes 64-key tiles and two blocks (49 KB each, at
+/// most 128 registers), head_dim 256 80-key tiles and one block (225 KB, the most that fits: 96-key tiles do not;
+/// 80 keys beat 64 by a few per cent). One warpgroup of 64 rows is much slower than two.
 template <int HeadDim>
 struct hopper_default_tile;
 template <>
@@ -817,11 +812,9 @@ struct hopper_default_tile<256> {
 
 /// The Hopper tile for calls whose every q-block walks the whole row of keys (hopper_takes_whole_rows) and that do not
 /// take hopper_turns_tile (below): head_dim 64 streams 128-key tiles with one block per multiprocessor,
-/// warp-specialised; head_dim 128 and 256 keep their default. H200: decode (4,16,1,16384,64) bf16 0.21 ms against
-/// 0.32 ms with the default 64-key tile; no mask, f16/bf16 TFLOP/s in five calls (docs/PERFORMANCE.md, sixth session):
-/// (4,32,4096,64) 405–416 / 408–444 against 375–402 / 407–418, (1,32,512,64) 117–139 against 103–128. Under a causal
-/// mask it lost 5–10 % (324–342 against 351–367): the q-blocks' rows differ in length, and two blocks per SM balance
-/// them better.
+/// warp-specialised; head_dim 128 and 256 keep their default. It beats the default 64-key tile on decode and on
+/// unmasked calls; under a causal mask the q-blocks' rows differ in length, and two blocks per SM balance them
+/// better, so causal calls keep the default.
 template <int HeadDim>
 struct hopper_whole_row_tile {
   using type = typename hopper_default_tile<HeadDim>::type;
@@ -843,12 +836,9 @@ inline bool hopper_takes_whole_rows(const block_sparse_mask&, index_t) { return 
 /// lets the hardware hand out the next item as an SM frees.
 /// - No mask, block-sparse: persistent, head by head (items cost about the same or vary at random).
 /// - Causal or window band, whose q-blocks' costs differ in order: a round robin head by head leaves some SMs the
-///   long items ((1,16,16384,128) causal on an H100: 339 against 479 TFLOP/s one block per item). Dealt q-block
-///   first across heads in a snake (flash_hopper_ws_kernel) they balance, and the persistent grid wins where a
-///   block has few items (at most hopper_banded_rounds); with more, one block per item (H200, f16/bf16 causal
-///   TFLOP/s, persistent against one block per item, docs/PERFORMANCE.md): 256 items (1,32,1024,128) 237 / 180;
-///   512 (1,32,2048,128) 392/400 / 318/323; 1024 (1,32,4096,128) 527 / 465; 2048: (2,16,8192,128) 472/535 /
-///   500/532, (1,16,16384,128) 509/518 / 535/544, (4,16,4096,256) 476/481 / 513/518.
+///   long items. Dealt q-block first across heads in a snake (flash_hopper_ws_kernel) they balance, and the
+///   persistent grid wins where a block has few items (at most hopper_banded_rounds); with more, one block per
+///   item wins.
 /// Split-KV calls (decode) always take one block per item (launch_flash_kernel).
 struct hopper_schedule {
   bool persistent;
@@ -865,14 +855,10 @@ inline hopper_schedule hopper_schedule_for(const block_sparse_mask&, index_t, in
 /// The Hopper tile for head_dim 64 calls with many work items (hopper_takes_turns_tile): three consumer warpgroups
 /// (192-row blocks) that take turns on the tensor cores (hopper_tile::take_turns), 128-key tiles. At head_dim 64 a
 /// warpgroup's softmax of a tile takes about as long as its two products, and the two warpgroups of
-/// hopper_whole_row_tile run both in step (ncu, H200, (4,32,4096,64): tensor pipe 48 %, exponential unit 50 %
-/// busy); with three taking turns, one warpgroup's products run while the other two exponentiate (54 % / 56 %).
-/// H200, f16/bf16 TFLOP/s, three against two warpgroups in alternated rounds (docs/PERFORMANCE.md, eighth
-/// session): (8,32,512,64) 298–304 / 283–284; (8,32,1024,64) 382–384 / 367–372; (4,32,2048,64) 429–449 / 390–413;
-/// (4,32,4096,64) 418–464 / 414–432; (2,32,8192,64) 443–477 / 427–442; but (1,32,512,64), 96 items on 132
-/// multiprocessors, 110–126 against 119–135: fewer, larger items leave SMs idle. Causal, one block per item, against
-/// two blocks per SM of hopper_default_tile<64> (tenth session, call s12-12): (4,32,4096,64) 386–393 / 397–399
-/// against 372–377 / 384–385.
+/// hopper_whole_row_tile run both in step (ncu on (4,32,4096,64): tensor pipe and exponential unit each about half
+/// busy); with three taking turns, one warpgroup's products run while the other two exponentiate. It gains on calls
+/// of at least hopper_turns_min_rounds rounds of items; on fewer, larger items ((1,32,512,64): 96 items on 132
+/// multiprocessors) it leaves SMs idle. Causal calls of many items take it too, one block per item.
 template <int HeadDim>
 struct hopper_turns_tile {
   using type = typename hopper_whole_row_tile<HeadDim>::type;

@@ -21,10 +21,9 @@ inline constexpr std::uint64_t scratch_pool_keep_bytes = std::uint64_t(256) << 2
 
 /// The current device's scratch pool, created on first use (with `create` false, `pool` is nullptr until then).
 /// fusedattn's own pool, so that the device's default pool and its settings stay the application's; it keeps up to
-/// scratch_pool_keep_bytes mapped across synchronisations (cuda::trim_scratch gives them back). From the default
-/// pool (release threshold 0) every call's scratch was mapped again after each synchronisation: H200, decode
-/// (4,16,1,16384,64) bf16 0.192 against 0.120 ms, (1,1,4096,64) f16 0.083–0.095 against 0.042 ms
-/// (docs/PERFORMANCE.md, ninth session).
+/// scratch_pool_keep_bytes mapped across synchronisations (cuda::trim_scratch gives them back). A pool with release
+/// threshold 0, such as the device's default, maps every call's scratch again after each synchronisation, which
+/// costs short calls (decode, split-KV) a large share of their time (docs/design.md, CUDA scratch).
 inline status scratch_pool(cudaMemPool_t& pool, bool create = true) {
   static std::mutex guard;
   static cudaMemPool_t pools[max_cached_devices] = {};
