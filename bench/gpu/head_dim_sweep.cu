@@ -1,7 +1,7 @@
 // The tile sweep behind flash_default_tile<32>, <96>, <256> (the d64 / d128 defaults timed beside them for
 // reference): f16, bhsd, (b, h, s) = (4, 16, 4096), dense and causal; CUDA events after 3 warm-up launches, median
-// of 15; each alternative's O against the default tile's (relative L2 difference). Results: docs/PERFORMANCE.md,
-// CUDA, head dims. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON (target fusedattn_head_dim_sweep); run with no arguments.
+// of 15; each alternative's O against the default tile's (relative L2 difference). The chosen tiles: docs/design.md,
+// CUDA. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON (target fusedattn_head_dim_sweep); run with no arguments.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's whole session in one script: GPU tests, compute-sanitizer on small shapes, a deliberately broken
+# Everything the GPU machine runs, in one script: GPU tests, compute-sanitizer on small shapes, a deliberately broken
 # build's tests (they must fail), fusedattn's timings and PyTorch's (SDPA flash / cuDNN, FlexAttention) in the same
 # run, block-sparse beside FlexAttention on the same layouts (bench_gpu's peer mode, bench/peers/torch_peer.py
 # --block-sparse), and a table last. Logs and JSON go to $OUT (default ./gpu-out).

@@ -10,7 +10,7 @@ the low 9 bits of each 128-bit instruction's first word, checked against cuobjdu
        -I/usr/include/eigen3 -o k.cubin probe.cu    # probe.cu: explicit instantiations of the kernels
   bench/gpu/sass_order.py k.cubin [substring of the mangled kernel name]
 
-Used in the seventh session to see where ptxas puts the wait for P_{j-1}·V_{j-1} (docs/design.md)."""
+It shows where ptxas puts the wait for P_{j-1}·V_{j-1} relative to the softmax's exponentials (docs/design.md)."""
 import struct
 import sys
 

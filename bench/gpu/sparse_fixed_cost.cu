@@ -8,7 +8,7 @@
 //                                        one; a call's host time, queued and behind a busy device; a call timed as
 //                                        the bench does against the same call behind a spin kernel), for dense,
 //                                        the device layout and the layout copied per call
-// Results: docs/PERFORMANCE.md, CUDA, fourth session. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON.
+// Figures: docs/PERFORMANCE.md, CUDA. Built with FUSEDATTN_BENCH_TILE_SWEEP=ON.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -493,7 +493,7 @@ TEMPLATE_TEST_CASE("cuda flash: items of one to many key tiles in turn in a bloc
 
 // Causal and window head_dim 64 calls of many items. On a Hopper with 132 SMs: 396 items of 192 rows (at most 8
 // rounds) stay on the two-blocks-per-SM kernel, one block per 128-row q-block (the same shape on the
-// three-warpgroup turns tile passed too: H200 call s12-12); 1120 items of 192 rows (more than 8 rounds) take the
+// three-warpgroup turns tile passes too); 1120 items of 192 rows (more than 8 rounds) take the
 // turns tile for causal, one block per item (hopper_takes_turns_tile), with q-tails (200 = 192 + 8), keys past the
 // queries on both alignments and GQA, and 1080 items bottom-right with more queries than keys (the first 300 rows
 // see no key: items without a key tile, O = 0 and lse = −inf); the window stays on the two-blocks kernel.
