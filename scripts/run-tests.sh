@@ -3,7 +3,8 @@
 #  1. Release build (C++17) of tests, bench, examples (and every CUDA translation unit, for sm_80 and sm_90a, when
 #     nvcc is present; the GPU tests skip without a GPU), ctest;
 #  2. the test suite again as C++20;
-#  3. install to a prefix and build an example copied out of the tree with find_package(fusedattn);
+#  3. install to a prefix and build an example copied out of the tree with find_package(fusedattn); the bench's
+#     Python tools compile and read the baselines;
 #  4. the CPU test suite under ASan + UBSan;
 #  5. 60 s of libFuzzer on the attend() harness.
 set -euo pipefail
@@ -31,6 +32,14 @@ cp -r examples/01_naive_pipeline build/ci-example
 cmake -S build/ci-example -B build/ci-consumer -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build build/ci-consumer -j"$jobs"
 ./build/ci-consumer/example_01_naive_pipeline
+
+echo "== [3b] Python tools: every bench script compiles; the baselines parse (bench/gpu/table.py, bench_json.py)"
+python3 -c 'import sys; [compile(open(f, encoding="utf-8").read(), f, "exec") for f in sys.argv[1:]]' \
+  bench/*.py bench/peers/*.py bench/gpu/*.py
+rows=$(PYTHONDONTWRITEBYTECODE=1 python3 bench/gpu/table.py bench/baselines/h200.jsonl bench/baselines/h100.jsonl | wc -l)
+[[ $rows -gt 20 ]] || { echo "bench/gpu/table.py read $rows lines from the GPU baselines"; exit 1; }
+PYTHONDONTWRITEBYTECODE=1 python3 -c 'import sys; sys.path.insert(0, "bench"); import bench_json
+assert bench_json.load("bench/baselines/xeon-gpu-host-cpu.json")[1], "no rows in the CPU baseline"'
 # 4. The whole CPU test suite under ASan + UBSan (the `sanitize` preset's flags, -fno-sanitize-recover=all).
 #    Test cases tagged [heavy] are left out here (FUSEDATTN_TEST_SPEC; ~[.] keeps hidden benchmarks out too).
 echo "== [4] sanitizers: ASan + UBSan build of the CPU test suite, ctest"
