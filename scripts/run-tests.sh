@@ -4,7 +4,8 @@
 #     nvcc is present; the GPU tests skip without a GPU), ctest;
 #  2. the test suite again as C++20;
 #  3. install to a prefix and build an example copied out of the tree with find_package(fusedattn); the bench's
-#     Python tools compile and read the baselines;
+#     Python tools compile and read the baselines; the assignment (examples/09_assignment) copied out of the tree
+#     with wrong kernels (the harness must fail them) and the reference solution (it must pass and give a report);
 #  4. the CPU test suite under ASan + UBSan;
 #  5. 60 s of libFuzzer on the attend() harness.
 set -euo pipefail
@@ -40,6 +41,31 @@ rows=$(PYTHONDONTWRITEBYTECODE=1 python3 bench/gpu/table.py bench/baselines/h200
 [[ $rows -gt 20 ]] || { echo "bench/gpu/table.py read $rows lines from the GPU baselines"; exit 1; }
 PYTHONDONTWRITEBYTECODE=1 python3 -c 'import sys; sys.path.insert(0, "bench"); import bench_json
 assert bench_json.load("bench/baselines/xeon-gpu-host-cpu.json")[1], "no rows in the CPU baseline"'
+
+# 3c. The assignment as a student builds it: examples/09_assignment copied out of the tree, built against the
+#     prefix with the reference solution and the wrong kernels of its ci/ folder. Each wrong kernel must make the
+#     harness report a mismatch (exit 1); the reference must pass, be timed, and give a report (report.py).
+echo "== [3c] the assignment copied out of the tree: the harness fails each wrong kernel, passes the reference"
+rm -rf build/ci-assignment build/ci-assignment-build
+cp -r examples/09_assignment build/ci-assignment
+cmake -S build/ci-assignment -B build/ci-assignment-build -DCMAKE_PREFIX_PATH="$prefix" -DASSIGNMENT_CI_KERNELS=ON >/dev/null
+cmake --build build/ci-assignment-build -j"$jobs"
+for bug in keys_512 no_max causal_strict tail_tile; do
+  set +e
+  out=$(./build/ci-assignment-build/assignment_bug_$bug --check-only 2>&1)
+  rc=$?
+  set -e
+  if [[ $rc -ne 1 ]] || ! grep -q "FAILED: my_attention() does not match" <<<"$out"; then
+    echo "$out"; echo "the assignment harness did not catch the wrong kernel '$bug' (exit $rc)"; exit 1
+  fi
+  echo "  wrong kernel $bug: caught"
+done
+./build/ci-assignment-build/assignment_bug_none --check-only >/dev/null
+python3 build/ci-assignment/report.py --harness build/ci-assignment-build/assignment_reference --quick \
+  --out build/ci-assignment-build/report >/dev/null
+grep -q "All checks: \*\*PASS\*\*" build/ci-assignment-build/report/report.md
+grep -q "^| 1024 | 1 |" build/ci-assignment-build/report/report.md
+echo "  reference: passed, timed, report written"
 # 4. The whole CPU test suite under ASan + UBSan (the `sanitize` preset's flags, -fno-sanitize-recover=all).
 #    Test cases tagged [heavy] are left out here (FUSEDATTN_TEST_SPEC; ~[.] keeps hidden benchmarks out too).
 echo "== [4] sanitizers: ASan + UBSan build of the CPU test suite, ctest"
