@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Draws the bench pictures from fusedattn-bench JSON (Python 3 + matplotlib).
 
-    python3 bench/plot.py RESULTS.json [MORE.json ...] [--out DIR] [--filter REGEX]
+    python3 bench/plot.py RESULTS.json [MORE.json ...] [--out DIR] [--filter REGEX] [--into-source-tree]
+
+It refuses to write into the fusedattn source tree (docs/img holds the project's own pictures) unless
+--into-source-tree says so; folders the tree ignores (build*/, ...) are fine.
 
 roofline.png: the two roofs (memory: AI x bandwidth, compute: the FMA peak) for each thread count measured at the
 start of the run, and one labelled dot per row at (modelled arithmetic intensity, achieved GFLOP/s). --filter keeps
@@ -153,6 +156,20 @@ def plot_sparsity(rows, path, title):
     print("plot: wrote %s (%d curves)" % (path, drawn))
 
 
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def inside_source_tree(folder):
+    """True when `folder` lies in the fusedattn tree this script belongs to, outside its ignored folders."""
+    path = os.path.realpath(folder)
+    root = os.path.realpath(SOURCE_ROOT)
+    if os.path.commonpath([path, root]) != root:
+        return False
+    first = os.path.relpath(path, root).split(os.sep)[0]
+    # The tree's .gitignore keeps /build*/ and dot folders out of the repository.
+    return not (first.startswith("build") or (first.startswith(".") and first != "."))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="fusedattn-bench JSON files (--benchmark_out=FILE)")
@@ -161,7 +178,14 @@ def main():
                     help="roofline: rate on wall time (default) or on the timing thread's CPU time, which is the "
                          "kernel's own work for 1-thread rows on a machine shared with other jobs")
     ap.add_argument("--filter", default="", help="roofline: keep only the rows whose name matches (re.search)")
+    ap.add_argument("--into-source-tree", action="store_true",
+                    help="allow --out inside the fusedattn source tree (e.g. docs/img, to replace the project's "
+                         "pictures on purpose)")
     args = ap.parse_args()
+    if inside_source_tree(args.out) and not args.into_source_tree:
+        sys.exit("plot: --out %s lies in the fusedattn source tree (%s), where it would overwrite the project's "
+                 "own pictures; write under build/ or outside the tree, or pass --into-source-tree"
+                 % (args.out, SOURCE_ROOT))
     rows, roofs, context = [], {}, {}
     for path in args.json:
         ctx, r = bench_json.load(path)

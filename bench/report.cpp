@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iostream>
 #include <map>
 #include <set>
 #include <tuple>
@@ -99,6 +100,13 @@ std::vector<row_result> rows_of(const std::vector<run>& runs) {
 
 }  // namespace
 
+bool collecting_reporter::ReportContext(const Context& context) {
+  const bool ok = display_->ReportContext(context);
+  std::cerr << "(A \"Library was built as DEBUG\" warning above is Debian's libbenchmark, compiled without NDEBUG: "
+               "it concerns Google Benchmark's own bookkeeping; the kernels timed here are this build's, -O3.)\n";
+  return ok;
+}
+
 void collecting_reporter::ReportRuns(const std::vector<Run>& runs) {
   display_->ReportRuns(runs);
   runs_.insert(runs_.end(), runs.begin(), runs.end());
@@ -149,8 +157,10 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
   for (const row_result& r : rows) w = std::max(w, r.name.size());
   char line[512];
   os << "\nRoofline (AI = FLOP per byte; 'min' = compulsory bytes Q,K,V,O once; 'model' = the kernel's modelled "
-        "traffic;\n  rates on real time (cpu_us: the main thread's CPU time, the kernel's own work for 1-thread rows "
-        "on a busy machine);\n  roof = min(peak, AI_model x bandwidth) for the row's threads; % = achieved / roof)\n";
+        "traffic,\n  a model of DRAM traffic without caches, not a measurement (profiler counters measure it: "
+        "docs/teaching.md);\n  rates on real time (cpu_us: the main thread's CPU time, the kernel's own work for "
+        "1-thread rows on a busy machine);\n  roof = min(peak, AI_model x bandwidth) for the row's threads; "
+        "% = achieved / roof)\n";
   std::snprintf(line, sizeof line, "%-*s %10s %10s %8s %9s %9s %7s %8s %9s %8s %9s %6s  %s\n", static_cast<int>(w),
                 "row", "time_us", "cpu_us", "GFLOP", "MB_min", "MB_model", "AI_min", "AI_model", "GFLOP/s", "GB/s",
                 "roof_GF/s", "%roof", "bound");

@@ -19,7 +19,8 @@ namespace fusedattn::bench {
 class collecting_reporter : public benchmark::BenchmarkReporter {
  public:
   explicit collecting_reporter(benchmark::BenchmarkReporter* display) : display_(display) {}
-  bool ReportContext(const Context& context) override { return display_->ReportContext(context); }
+  /// Forwards the context, then says what Google Benchmark's "Library was built as DEBUG" warning means here.
+  bool ReportContext(const Context& context) override;
   void ReportRuns(const std::vector<Run>& runs) override;
   void Finalize() override { display_->Finalize(); }
   const std::vector<Run>& runs() const { return runs_; }

@@ -3,9 +3,9 @@
 //
 // Build a copy of this folder outside the fusedattn tree (README.md of this folder has the details):
 //   fusedattn installed:   cmake -S . -B build -DCMAKE_PREFIX_PATH=<prefix>
-//                          (install it once: cmake -S <fusedattn> -B <fusedattn>/build-install -DFUSEDATTN_BUILD_TESTS=OFF
-//                           -DFUSEDATTN_BUILD_BENCH=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF && cmake --install
-//                           <fusedattn>/build-install --prefix <prefix>)
+//                          (install it once: cmake -S <fusedattn> -B <fusedattn>/build-install
+//                           -DFUSEDATTN_BUILD_TESTS=OFF -DFUSEDATTN_BUILD_BENCH=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF
+//                           -DFUSEDATTN_WITH_CUDA=OFF && cmake --install <fusedattn>/build-install --prefix <prefix>)
 //   fusedattn sources:     cmake -S . -B build -DFUSEDATTN_SOURCE_DIR=<fusedattn>   (add_subdirectory)
 //   then:                  cmake --build build -j && ./build/assignment
 //   the report skeleton:   cmake --build build --target report     (build/report/report.md, roofline.png)
@@ -332,7 +332,9 @@ bool write_json(const std::string& path, const options& opt, int all_threads, co
   std::fprintf(f, "    \"library_build_type\": \"release\",\n    \"fusedattn_assignment_quick\": %s",
                opt.quick ? "\"1\"" : "\"0\"");
   for (const roof& r : roofs)
-    std::fprintf(f, ",\n    \"fusedattn_peak_flops_threads_%d\": \"%s\",\n    \"fusedattn_bandwidth_threads_%d\": \"%s\"",
+    std::fprintf(f,
+                 ",\n    \"fusedattn_peak_flops_threads_%d\": \"%s\",\n"
+                 "    \"fusedattn_bandwidth_threads_%d\": \"%s\"",
                  r.threads, num(r.peak_flops).c_str(), r.threads, num(r.bandwidth).c_str());
   std::fprintf(f, "\n  },\n  \"benchmarks\": [");
   for (std::size_t i = 0; i < rows.size(); ++i) {

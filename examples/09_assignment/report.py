@@ -220,7 +220,7 @@ def draw_roofline(rows, roofs, path, title):
     ax.set_ylabel("achieved GFLOP/s")
     ax.set_title(title)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
