@@ -1,9 +1,10 @@
 // Example 07: where do the kernels sit on this machine's roofline? The numbers an assignment report asks for.
 //   1. the ceilings: f32 FMA peak of one thread (a register-resident FMA loop) and memory bandwidth (a triad over
 //      arrays far larger than the last-level cache);
-//   2. per kernel and sequence length: FLOPs = 4·b·h·s²·d, the bytes it moves (naive: Q, K, V, O plus six trips of
-//      the S×S scores; flash: Q and O once, K and V once per q-block), arithmetic intensity AI = FLOPs / bytes,
-//      the attainable rate min(peak, AI × bandwidth), the measured rate and the fraction reached;
+//   2. per kernel and sequence length: FLOPs = 4·b·h·s²·d, the bytes it moves as modelled, not measured (naive:
+//      Q, K, V, O plus six trips of the S×S scores; flash: Q and O once, K and V once per q-block), arithmetic
+//      intensity AI = FLOPs / bytes, the attainable rate min(peak, AI × bandwidth), the measured rate and the
+//      fraction reached;
 //   3. how AI moves with S: naive's stays near d/6 FLOP/B whatever S (its traffic grows as S², like its FLOPs);
 //      flash's rises with S towards 2·block_q / sizeof(T) (K and V re-read once per q-block).
 // The byte models are fusedattn::cost (include/fusedattn/core/cost_model.hpp; derivations in docs/roofline.md).
@@ -79,7 +80,8 @@ int main() {
   const double peak = fma_peak_flops(), bw = triad_bandwidth();
   std::printf("ceilings (1 thread): f32 FMA peak %.1f GFLOP/s, triad bandwidth %.1f GB/s, ridge point %.1f FLOP/B\n\n",
               peak * 1e-9, bw * 1e-9, peak / bw);
-  std::printf("%-6s %5s | %9s %10s %8s | %11s %11s %7s  %s\n", "kernel", "S", "GFLOP", "MB moved", "AI", "attainable",
+  std::printf("bytes are modelled (fusedattn::cost, no cache), not measured: a profiler measures the traffic\n");
+  std::printf("%-6s %5s | %9s %10s %8s | %11s %11s %7s  %s\n", "kernel", "S", "GFLOP", "MB model", "AI", "attainable",
               "achieved", "of roof", "bound");
 
   std::mt19937 rng(7);
