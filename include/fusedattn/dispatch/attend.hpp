@@ -19,6 +19,9 @@
 #if FUSEDATTN_WITH_CUDA
 #include "../backends/cuda/attend_cuda.cuh"
 #endif
+#if FUSEDATTN_WITH_ASCEND
+#include "../backends/ascend/attend_ascend.hpp"
+#endif
 
 namespace fusedattn {
 
@@ -74,11 +77,14 @@ status run(const policy::cuda&, const problem&, const tensor_ref<const T>&, cons
 #endif
 
 #if !FUSEDATTN_WITH_ASCEND
+// Its own inline namespace, as the CUDA stub: translation units with and without the backend may share a program.
+inline namespace ascend_off {
 template <class T, class Bound>
 status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
            const tensor_ref<const T>&, const tensor_ref<T>&, const Bound&, float*) {
   return {errc::unsupported, "fusedattn was built without Ascend support (FUSEDATTN_WITH_ASCEND is off)"};
 }
+}  // namespace ascend_off
 #endif
 
 }  // namespace detail
