@@ -21,3 +21,4 @@
 #include "kernels/naive.hpp"
 #include "dispatch/policy.hpp"
 #include "dispatch/attend.hpp"
+#include "dispatch/backward.hpp"

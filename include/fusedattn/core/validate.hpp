@@ -124,6 +124,19 @@ status check_mask(const Mask& m, const problem&) {
   return check_mask(m);
 }
 
+/// The scale must survive conversion to the accumulation type of T as a finite, positive, normal number.
+template <class T>
+status check_scale(const problem& p) {
+  using acc = accum_t<T>;
+  if (p.scale) {
+    const acc scale_acc = static_cast<acc>(*p.scale);
+    if (!(std::isfinite(scale_acc) && scale_acc >= std::numeric_limits<acc>::min()))
+      return status::invalid("problem.scale is " + str_double(*p.scale) + "; it is not a finite positive " +
+                             "normal " + scalar_name<acc>() + " (the accumulation type of " + scalar_name<T>() + ")");
+  }
+  return {};
+}
+
 }  // namespace detail
 
 /// Checks the problem alone: positive sizes, heads divisible by heads_kv, head_dim bound, scale.
@@ -165,13 +178,7 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   if (status st = detail::check_mask(mask, p); !st) return st;
   // Extra checks: the scale must survive conversion to the accumulation type as a normal number (the CPU
   // kernels flush subnormals to zero, docs/design.md Numerics), and lse must be addressable.
-  using acc = accum_t<T>;
-  if (p.scale) {
-    const acc scale_acc = static_cast<acc>(*p.scale);
-    if (!(std::isfinite(scale_acc) && scale_acc >= std::numeric_limits<acc>::min()))
-      return status::invalid("problem.scale is " + detail::str_double(*p.scale) + "; it is not a finite positive " +
-                             "normal " + scalar_name<acc>() + " (the accumulation type of " + scalar_name<T>() + ")");
-  }
+  if (status st = detail::check_scale<T>(p); !st) return st;
   if (lse) {
     index_t lse_bytes = 0;
     if (!detail::mul_ok(p.lse_size(), static_cast<index_t>(sizeof(float)), lse_bytes) ||

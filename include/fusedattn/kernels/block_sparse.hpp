@@ -104,6 +104,23 @@ struct block_sparse_mask {
     return {b > keys.begin ? b : keys.begin, e < keys.end ? e : keys.end};
   }
 
+  /// The column walk of the backward pass: rows that may see a key of [k0, k1) (a superset: the band's rows).
+  FUSEDATTN_HOST_DEVICE kv_span q_range(index_t k0, index_t k1) const { return band.q_range(k0, k1); }
+  /// Whether tile rows [q0, q1) × keys [k0, k1) holds an allowed element: some q-block row of the tile lists a
+  /// block holding a key of [k0, k1) that `within` lets these rows see.
+  FUSEDATTN_HOST_DEVICE bool sees(index_t q0, index_t q1, index_t k0, index_t k1) const {
+    for (index_t qb = q0 / block_q; qb <= (q1 - 1) / block_q; ++qb) {
+      const index_t r0 = qb * block_q > q0 ? qb * block_q : q0, r1 = (qb + 1) * block_q < q1 ? (qb + 1) * block_q : q1;
+      const kv_span keys = band.kv_range(r0, r1);
+      const index_t b = keys.begin > k0 ? keys.begin : k0, e = keys.end < k1 ? keys.end : k1;
+      if (b >= e) continue;
+      index_t first = 0, last = 0;
+      runs_in(qb, b, e, first, last);
+      if (last > first) return true;
+    }
+    return false;
+  }
+
   /// Position of kv-block kb in row qb's sorted list, or -1 (binary search).
   FUSEDATTN_HOST_DEVICE index_t find(index_t qb, index_t kb) const {
     index_t lo = row_offsets[qb], hi = row_offsets[qb + 1];

@@ -86,6 +86,22 @@ struct band_mask {
   FUSEDATTN_HOST_DEVICE index_t q_granule() const { return 0; }
   FUSEDATTN_HOST_DEVICE index_t num_segments(index_t q0, index_t q1) const { return kv_range(q0, q1).empty() ? 0 : 1; }
   FUSEDATTN_HOST_DEVICE kv_span segment(index_t q0, index_t q1, index_t /*r*/) const { return kv_range(q0, q1); }
+  // The column walk of the backward pass (the transpose of the questions above):
+  //   q_range(k0, k1)             rows that may see a key of [k0, k1) (a superset for per-head masks; exact here);
+  //   sees(q0, q1, k0, k1)        whether tile rows [q0, q1) × keys [k0, k1) holds an allowed element.
+  /// Smallest row range covering every row that sees a key of [k0, k1); empty when none does.
+  FUSEDATTN_HOST_DEVICE kv_span q_range(index_t k0, index_t k1) const {
+    if (k1 > seq_kv) k1 = seq_kv;
+    index_t b = k0 - hi;
+    index_t e = (k1 - 1) - lo + 1;
+    if (b < 0) b = 0;
+    if (e > seq_q) e = seq_q;
+    return {b, e};
+  }
+  FUSEDATTN_HOST_DEVICE bool sees(index_t q0, index_t q1, index_t k0, index_t k1) const {
+    const kv_span r = kv_range(q0, q1);
+    return (r.begin > k0 ? r.begin : k0) < (r.end < k1 ? r.end : k1);
+  }
 
   /// Number of allowed (i, j) pairs: the score entries a perfect kernel computes.
   index_t allowed_count() const {
