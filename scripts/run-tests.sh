@@ -8,6 +8,7 @@
 #     with wrong kernels (the harness must fail them) and the reference solution (it must pass and give a report);
 #  4. the CPU test suite under ASan + UBSan;
 #  5. 60 s of libFuzzer on the attend() harness.
+#  7. the Ascend backend installed against a stand-in CANN toolkit and used through find_package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
