@@ -86,4 +86,10 @@ mkdir -p build/ci-fuzz/corpus build/ci-fuzz/artifacts
 UBSAN_OPTIONS=print_stacktrace=1 \
   ./build/ci-fuzz/tests/fuzz/fuzz_attend -max_total_time="${FUZZ_SECONDS:-60}" -timeout=20 -rss_limit_mb=4096 \
   -artifact_prefix=build/ci-fuzz/artifacts/ -print_final_stats=1 build/ci-fuzz/corpus tests/fuzz/corpus
+# 7. The Ascend backend as a user with CANN builds it: fusedattn installed with FUSEDATTN_WITH_ASCEND=ON against a
+#    stand-in toolkit (the transcribed declarations as acl/acl.h and aclnnop/*.h, the recording fake as
+#    libascendcl.so), then a program that takes fusedattn::ascend from find_package runs policy::ascend against
+#    policy::cpu_naive. (test_ascend, in stages 1, 2 and 4, checks the marshalling itself.)
+echo "== [7] Ascend: fusedattn::ascend installed against a stand-in CANN toolkit, used through find_package"
+tests/ascend/package/check.sh build/ci-ascend
 echo "run-tests: all passed"
