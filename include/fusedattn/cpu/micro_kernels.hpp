@@ -1,6 +1,7 @@
 /// @file micro_kernels.hpp
 /// Register-blocked micro-kernels of the CPU flash loop on `cpu::simd<Acc, Arch>`: the S = Q·Kᵀ tile over a
-/// packed Kᵀ tile, and the rescale-and-accumulate acc = α·acc + P·V. Packing and the softmax are elsewhere.
+/// packed Kᵀ tile, the rescale-and-accumulate acc = α·acc + P·V, and the decode kernel's variants that read K
+/// and V in place in their storage type. Packing and the softmax are elsewhere.
 #pragma once
 
 #include <type_traits>
@@ -158,6 +159,162 @@ inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_strid
   with_count<NV - 1>(rest, [&](auto n) {
     pv_chunk<Acc, Arch, decltype(n)::value>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
   });
+}
+
+// ---- Decode micro-kernels: K and V read in place, in their storage type T, at a row stride (no packing). ----
+
+/// W values of storage type T at `x` as one vector of Acc. float → float is a load; Eigen::half and
+/// Eigen::bfloat16 widen in registers (AVX-512 / AVX2 conversions where the arch has them, else one value at a
+/// time); both widenings are exact, so every path gives the same bits as static_cast<Acc>.
+template <class Acc, class Arch, class T>
+inline typename simd<Acc, Arch>::type load_as(const T* x) {
+  using V = simd<Acc, Arch>;
+  if constexpr (std::is_same<T, Acc>::value) {
+    return V::load(x);
+  } else {
+    constexpr bool is_half = std::is_same<T, Eigen::half>::value;
+    constexpr bool is_bf16 = std::is_same<T, Eigen::bfloat16>::value;
+    (void)is_half, (void)is_bf16;
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value && std::is_same<Acc, float>::value &&
+                  (is_half || is_bf16)) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      if constexpr (is_half) return _mm512_cvtph_ps(raw);
+      else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+#endif
+#if XSIMD_WITH_AVX2
+    if constexpr (std::is_base_of<xsimd::avx2, Arch>::value && std::is_same<Acc, float>::value && is_bf16) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+#if defined(__F16C__)
+    if constexpr (std::is_base_of<xsimd::avx2, Arch>::value && std::is_same<Acc, float>::value && is_half)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+#endif
+#endif
+    alignas(64) Acc lanes[V::width];
+    for (index_t i = 0; i < V::width; ++i) lanes[i] = static_cast<Acc>(x[i]);
+    return V::load(lanes);
+  }
+}
+
+/// Register blocking of the decode micro-kernels: dot products MR rows × NK keys (MR·NK accumulators), and
+/// the in-place P·V as the prefill's P·V (kernel_shape::pv_mr rows × pv_nr vectors).
+template <class Acc, class Arch>
+struct decode_shape {
+  static constexpr index_t dot_mr = has_32_registers<Arch>() ? 4 : 2;
+  static constexpr index_t dot_nk = 4;
+};
+
+/// One MR × NK block of scores, each a dot product over head_dim:
+///   q: MR query rows (Acc), row stride ldq;           shape MR × d
+///   k: NK key rows (storage type T), row stride ldk;  shape NK × d, read in place
+///   s: output, row stride lds;                        shape MR × NK
+/// Math: s[r][n] = Σ_c q[r][c] · k[n][c], vector lanes over c, then one horizontal sum per entry; the last
+/// d % W columns are added one at a time. Each K vector is loaded (and widened) once for all MR rows.
+template <class Acc, class Arch, class T, index_t MR, index_t NK>
+FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* k, index_t ldk, index_t d, Acc* s, index_t lds) {
+  using V = simd<Acc, Arch>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  const index_t dv = d / W * W;
+  vec acc[MR][NK];
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) acc[r][n] = V::broadcast(Acc(0));
+  for (index_t c = 0; c < dv; c += W) {
+    vec k_c[NK];
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
+      k_c[n] = load_as<Acc, Arch>(k + n * ldk + c);
+      pin_register(k_c[n]);
+    }
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+      const vec q_rc = V::load(q + r * ldq + c);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
+    }
+  }
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
+      Acc x = V::reduce_add(acc[r][n]);
+      for (index_t c = dv; c < d; ++c) x += q[r * ldq + c] * static_cast<Acc>(k[n * ldk + c]);
+      s[r * lds + n] = x;
+    }
+}
+
+/// S (rows × keys) = Q · Kᵀ with K read in place: `keys` rows at k, k + ldk, ...; Q rows at stride ldq.
+/// Rows dot_mr and keys dot_nk at a time, the tails as smaller blocks.
+template <class Acc, class Arch, class T>
+inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* k, index_t ldk, index_t keys, index_t d, Acc* s,
+                     index_t lds) {
+  constexpr index_t MR = decode_shape<Acc, Arch>::dot_mr, NK = decode_shape<Acc, Arch>::dot_nk;
+  const index_t full_r = rows / MR * MR, full_k = keys / NK * NK;
+  auto rows_block = [&](index_t j, auto nk) {
+    constexpr index_t N = decltype(nk)::value;
+    for (index_t i = 0; i < full_r; i += MR)
+      dot_block<Acc, Arch, T, MR, N>(q + i * ldq, ldq, k + j * ldk, ldk, d, s + i * lds + j, lds);
+    with_count<MR - 1>(rows - full_r, [&](auto mr) {
+      dot_block<Acc, Arch, T, decltype(mr)::value, N>(q + full_r * ldq, ldq, k + j * ldk, ldk, d,
+                                                      s + full_r * lds + j, lds);
+    });
+  };
+  for (index_t j = 0; j < full_k; j += NK) rows_block(j, std::integral_constant<index_t, NK>{});
+  with_count<NK - 1>(keys - full_k, [&](auto nk) { rows_block(full_k, nk); });
+}
+
+/// One MR × (NV·W) block of acc += P·V with V read in place (no rescale: the caller applied α already).
+///   p: MR rows of P, row stride ldp;                      shape MR × keys
+///   v: value rows (storage type T) at the block's first column, row stride ldv;  shape keys × (NV·W)
+///   acc: in/out, row stride lda;                          shape MR × (NV·W)
+template <class Acc, class Arch, class T, index_t MR, index_t NV>
+FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* v, index_t ldv, index_t keys, Acc* acc,
+                                          index_t lda) {
+  using V = simd<Acc, Arch>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  vec o[MR][NV];
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::load(acc + r * lda + n * W);
+  for (index_t j = 0; j < keys; ++j) {
+    vec v_j[NV];
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
+      v_j[n] = load_as<Acc, Arch>(v + j * ldv + n * W);
+      pin_register(v_j[n]);
+    }
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+      const vec p_rj = V::broadcast(p[r * ldp + j]);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::fma(p_rj, v_j[n], o[r][n]);
+    }
+  }
+  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
+}
+
+/// acc (rows × d) += P (rows × keys) · V (keys × d) with V read in place at row stride ldv: column chunks of
+/// pv_nr vectors (then single vectors), pv_mr rows at a time; the last d % W columns one value at a time.
+template <class Acc, class Arch, class T>
+inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* v, index_t ldv, index_t keys, index_t d, Acc* acc,
+                             index_t lda, index_t rows) {
+  using shape = kernel_shape<Acc, Arch>;
+  constexpr index_t W = shape::width, MR = shape::pv_mr, NV = shape::pv_nr;
+  const index_t dv = d / W * W, full_r = rows / MR * MR;
+  auto chunk = [&](index_t c, auto nv) {
+    constexpr index_t N = decltype(nv)::value;
+    for (index_t i = 0; i < full_r; i += MR)
+      pv_block_in_place<Acc, Arch, T, MR, N>(p + i * ldp, ldp, v + c, ldv, keys, acc + i * lda + c, lda);
+    with_count<MR - 1>(rows - full_r, [&](auto mr) {
+      pv_block_in_place<Acc, Arch, T, decltype(mr)::value, N>(p + full_r * ldp, ldp, v + c, ldv, keys,
+                                                              acc + full_r * lda + c, lda);
+    });
+  };
+  index_t c = 0;
+  for (; c + NV * W <= dv; c += NV * W) chunk(c, std::integral_constant<index_t, NV>{});
+  for (; c < dv; c += W) chunk(c, std::integral_constant<index_t, 1>{});
+  for (; c < d; ++c)
+    for (index_t r = 0; r < rows; ++r) {
+      Acc x = acc[r * lda + c];
+      for (index_t j = 0; j < keys; ++j) x += p[r * ldp + j] * static_cast<Acc>(v[j * ldv + c]);
+      acc[r * lda + c] = x;
+    }
 }
 
 }  // namespace cpu

@@ -1,6 +1,7 @@
 /// @file flash.hpp
-/// Entry points of the CPU flash kernel: `flash_attention<Arch>` (runs the tile loop of tile_loop.hpp with any
-/// bound mask) and `flash_scratch_bytes` (what a call allocates). Validation is the caller's (attend) job.
+/// Entry points of the CPU flash kernel: `flash_attention<Arch>` (the tile loop of tile_loop.hpp with any bound
+/// mask, or the decode kernel of decode.hpp for decode-shaped calls), `flash_attention_kv` (the same over any KV
+/// source) and `flash_scratch_bytes` (what the tile loop allocates). Validation is the caller's (attend) job.
 #pragma once
 
 #include <string>
@@ -11,6 +12,8 @@
 #include "../core/types.hpp"
 #include "../cpu/simd.hpp"
 #include "../cpu/tiles.hpp"
+#include "decode.hpp"
+#include "kv_source.hpp"
 #include "tile_loop.hpp"
 
 namespace fusedattn {
@@ -31,17 +34,10 @@ index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles
   return scratch_bytes<Acc, Arch>(p, f, n_threads);
 }
 
-/// Flash attention on the CPU with the SIMD arch `Arch` (an xsimd arch, or scalar_arch): one online-softmax tile
-/// loop over the kv tiles the bound `mask` lists, `threads` threads over (batch, head, q-tile[, key chunk]).
-/// Results are bitwise identical for any thread count. Every worker thread runs with flush-to-zero and
-/// denormals-are-zero (cpu/fp_env.hpp), restored on exit.
-/// Preconditions: the call was validated (validate.hpp). Returns errc::invalid_argument for threads < 1 or a
-/// negative tile size, errc::unsupported when this CPU cannot run `Arch`, errc::out_of_memory when the scratch
-/// (flash_scratch_bytes) cannot be allocated; nothing is written on failure.
-template <class T, class Arch, class Mask>
-status flash_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
-                       int threads, tile_sizes tiles = {}) {
+/// flash_attention with K and V from a KV source (kv_source.hpp) that holds p.seq_kv keys for every sequence.
+template <class T, class Arch, class Mask, class KV>
+status flash_attention_kv(const problem& p, const tensor_ref<const T>& q, const KV& kv, const tensor_ref<T>& o,
+                          const Mask& mask, float* lse, int threads, tile_sizes tiles = {}) {
   if (threads <= 0)
     return status::invalid("policy.threads is " + std::to_string(threads) + "; it must be >= 1");
   const index_t t[3] = {tiles.q, tiles.kv, tiles.kv_split};
@@ -53,8 +49,28 @@ status flash_attention(const problem& p, const tensor_ref<const T>& q, const ten
   if (!cpu::arch_available<Arch>())
     return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
                                    " code of policy::cpu<Arch>; pick an arch it supports"};
-  return flash_tile_loop<T, Arch, Mask>(p, q, k, v, o, mask, lse, threads, tiles);
+  if constexpr (std::is_same<Mask, band_mask>::value)
+    if (use_decode_kernel<Mask>(p, tiles))
+      return decode_attention<T, Arch>(p, q, kv, o, [&](index_t) { return mask; }, lse, threads);
+  return flash_tile_loop<T, Arch, Mask>(p, q, kv, o, mask, lse, threads, tiles);
 }
+
+/// Flash attention on the CPU with the SIMD arch `Arch` (an xsimd arch, or scalar_arch): one online-softmax tile
+/// loop over the kv tiles the bound `mask` lists, `threads` threads over (batch, head, q-tile[, key chunk]).
+/// Results are bitwise identical for any thread count. Every worker thread runs with flush-to-zero and
+/// denormals-are-zero (cpu/fp_env.hpp), restored on exit.
+/// Preconditions: the call was validated (validate.hpp). Returns errc::invalid_argument for threads < 1 or a
+/// negative tile size, errc::unsupported when this CPU cannot run `Arch`, errc::out_of_memory when the scratch
+/// (flash_scratch_bytes) cannot be allocated; nothing is written on failure.
+/// Decode-shaped calls (a band mask, default tiles, at most cpu::decode_max_rows query rows per kv head) run the
+/// decode kernel instead (decode.hpp: K and V read in place, split across threads by key chunks).
+template <class T, class Arch, class Mask>
+status flash_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
+                       int threads, tile_sizes tiles = {}) {
+  return flash_attention_kv<T, Arch>(p, q, strided_kv<T>{k, v}, o, mask, lse, threads, tiles);
+}
+
 
 }  // namespace kernels
 }  // namespace fusedattn

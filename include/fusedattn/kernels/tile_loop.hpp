@@ -27,6 +27,7 @@
 #include "../cpu/micro_kernels.hpp"
 #include "../cpu/simd.hpp"
 #include "../cpu/tiles.hpp"
+#include "kv_source.hpp"
 #include "mask.hpp"
 #include "softmax.hpp"
 
@@ -189,13 +190,12 @@ struct flash_scratch {
 /// Elements per row of a partial result in the decode split: m, l, then the dp accumulator columns.
 inline index_t partial_row(const flash_plan& f) { return f.dp + 2; }
 
-/// The state shared by all threads of one call.
-template <class T, class Mask>
+/// The state shared by all threads of one call. K and V come from a KV source (kv_source.hpp).
+template <class T, class Mask, class KV = strided_kv<T>>
 struct flash_call {
   const problem& p;
   const tensor_ref<const T>& q;
-  const tensor_ref<const T>& k;
-  const tensor_ref<const T>& v;
+  const KV& kv;
   const tensor_ref<T>& o;
   const Mask& mask;
   float* lse;
@@ -208,19 +208,19 @@ struct flash_call {
 /// `kt_head` / `v_head` (f.kv_elements layout), converting to Acc (half types convert here, once per key):
 ///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c], 0 past seq_kv;
 ///   V: for each column chunk, v[key][x] = v[key][chunk·vw + x], 0 past d.
-template <class T, class Acc>
-void pack_panel(const tensor_ref<const T>& k, const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv,
-                index_t b, index_t h_kv, index_t pn, Acc* kt_head, Acc* v_head) {
+template <class T, class Acc, class KV>
+void pack_panel(const KV& kv, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv, index_t pn, Acc* kt_head,
+                Acc* v_head) {
   const index_t k0 = pn * f.cols, kn = std::min(f.cols, seq_kv - k0);
   Acc* kt = kt_head + pn * f.d * f.cols;
   for (index_t j = 0; j < kn; ++j) {
-    const T* kr = k.row(b, h_kv, k0 + j);
+    const T* kr = kv.k_row(b, h_kv, k0 + j);
     for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
   }
   if (kn < f.cols)
     for (index_t c = 0; c < f.d; ++c) std::fill(kt + c * f.cols + kn, kt + (c + 1) * f.cols, Acc(0));
   for (index_t j = 0; j < kn; ++j) {
-    const T* vr = v.row(b, h_kv, k0 + j);
+    const T* vr = kv.v_row(b, h_kv, k0 + j);
     for (index_t ch = 0; ch < f.v_chunks; ++ch) {
       Acc* dst = v_head + (ch * seq_kv + k0 + j) * f.vw;
       const index_t c0 = ch * f.vw, cn = std::max<index_t>(0, std::min(f.vw, f.d - c0));
@@ -253,8 +253,8 @@ bool all_finite(const T* r, index_t n) {
 /// Whether the V rows of keys [k0, k1) of kv head (b, h_kv) are all finite, from per-panel flags that are
 /// computed from V itself the first time a panel is asked about (once per kv head and thread, and only for
 /// panels that partial tiles touch). Conservative: a non-finite value anywhere in a touched panel says no.
-template <class T, class Acc>
-bool values_finite(const tensor_ref<const T>& v, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv,
+template <class KV, class Acc>
+bool values_finite(const KV& kv, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv,
                    index_t k0, index_t k1, flash_scratch<Acc>& sc) {
   bool finite = true;
   for (index_t pn = k0 / f.cols; pn <= (k1 - 1) / f.cols; ++pn) {
@@ -262,7 +262,7 @@ bool values_finite(const tensor_ref<const T>& v, const flash_plan& f, index_t se
     if (state < 0) {
       bool panel_finite = true;
       for (index_t j = pn * f.cols; j < std::min(seq_kv, (pn + 1) * f.cols); ++j)
-        panel_finite &= all_finite(v.row(b, h_kv, j), f.d);
+        panel_finite &= all_finite(kv.v_row(b, h_kv, j), f.d);
       state = panel_finite ? 1 : 0;
     }
     finite &= state == 1;
@@ -274,8 +274,8 @@ bool values_finite(const tensor_ref<const T>& v, const flash_plan& f, index_t se
 /// non-finite value, where the micro-kernel's 0·v for a forbidden key would put NaN into a row that does not
 /// attend that key (docs/design.md, Numerics). Plain loops over V as the caller passed it (rare inputs only).
 ///   p: P at the tile's first key, row stride ldp (qn × kn); keys [k0, k0 + kn) of kv head (b, h_kv).
-template <class T, class Acc, class Mask>
-void pv_tile_allowed(const Mask& mask, const tensor_ref<const T>& v, index_t b, index_t h_kv, index_t q0, index_t qn,
+template <class KV, class Acc, class Mask>
+void pv_tile_allowed(const Mask& mask, const KV& kv, index_t b, index_t h_kv, index_t q0, index_t qn,
                      index_t k0, index_t kn, index_t d, const Acc* p, index_t ldp, const Acc* alpha, Acc* acc,
                      index_t lda) {
   for (index_t i = 0; i < qn; ++i) {
@@ -284,7 +284,7 @@ void pv_tile_allowed(const Mask& mask, const tensor_ref<const T>& v, index_t b, 
     for (index_t j = 0; j < kn; ++j) {
       if (!mask.allowed(q0 + i, k0 + j)) continue;
       const Acc p_ij = p[i * ldp + j];
-      const T* vr = v.row(b, h_kv, k0 + j);
+      const auto* vr = kv.v_row(b, h_kv, k0 + j);
       for (index_t c = 0; c < d; ++c) a[c] += p_ij * static_cast<Acc>(vr[c]);
     }
   }
@@ -292,8 +292,8 @@ void pv_tile_allowed(const Mask& mask, const tensor_ref<const T>& v, index_t b, 
 
 /// One work item: rows [q0, q1) of head (b, h) against the keys of chunk [key_lo, key_hi).
 /// Writes O and lse directly (no split), or the partial (m, l, acc) rows at `partial_out` (decode split).
-template <class T, class Arch, class Mask>
-void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, index_t b, index_t h, index_t q0,
+template <class T, class Arch, class Mask, class KV>
+void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& sc, index_t b, index_t h, index_t q0,
                 index_t q1, index_t key_lo, index_t key_hi, accum_t<T>* partial_out) {
   using Acc = accum_t<T>;
   const problem& p = call.p;
@@ -343,7 +343,7 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
       if (!call.packed)
         for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
           if (!sc.packed[static_cast<std::size_t>(pn)]) {
-            pack_panel(call.k, call.v, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
+            pack_panel<T>(call.kv, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
             sc.packed[static_cast<std::size_t>(pn)] = 1;
           }
 
@@ -365,8 +365,8 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
 
       // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on. A partial tile whose V
       // holds a non-finite value sums over the allowed keys only (0·NaN must not reach rows that skip the key).
-      if (partial && !values_finite(call.v, f, p.seq_kv, b, h_kv, k0, k1, sc))
-        pv_tile_allowed(mask, call.v, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
+      if (partial && !values_finite(call.kv, f, p.seq_kv, b, h_kv, k0, k1, sc))
+        pv_tile_allowed(mask, call.kv, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
                         sc.acc.data(), f.dp);
       else
         cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, v_head + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
@@ -398,8 +398,8 @@ void flash_item(const flash_call<T, Mask>& call, flash_scratch<accum_t<T>>& sc, 
 /// which thread ran which chunk). `row` is d accumulators of scratch.
 /// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L; lse = M·ln2 + ln L.
 /// A chunk that met a NaN (l_c = NaN) makes L = NaN, so O = lse = NaN, whatever M is.
-template <class T, class Mask>
-void merge_chunks(const flash_call<T, Mask>& call, index_t b, index_t h, index_t q0, index_t q1,
+template <class T, class Mask, class KV>
+void merge_chunks(const flash_call<T, Mask, KV>& call, index_t b, index_t h, index_t q0, index_t q1,
                   const accum_t<T>* parts, accum_t<T>* row) {
   using Acc = accum_t<T>;
   const problem& p = call.p;
@@ -464,10 +464,10 @@ flash_scratch<Acc>& thread_scratch() {
 /// The tile loop over every (batch, head, q-tile, key chunk), `threads` at a time.
 /// Preconditions: the call was validated; tiles are >= 0; threads >= 1. Every thread sizes its scratch before any
 /// output is written; if any allocation fails the call reports out_of_memory with nothing written.
-template <class T, class Arch, class Mask>
-status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-                       const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
-                       int threads, tile_sizes tiles) {
+/// K and V come from `kv`, a KV source (kv_source.hpp) holding p.seq_kv keys for each of the p.batch sequences.
+template <class T, class Arch, class Mask, class KV>
+status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const KV& kv, const tensor_ref<T>& o,
+                       const Mask& mask, float* lse, int threads, tile_sizes tiles) {
   using Acc = accum_t<T>;
   flash_plan plan;
   std::vector<Acc> partial;
@@ -493,7 +493,7 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
     return oom();
   }
   Acc* const partial_rows = partial.empty() ? nullptr : partial.data();
-  const flash_call<T, Mask> call{p, q, k, v, o, mask, lse, plan, partial_rows, shared ? packed.data() : nullptr};
+  const flash_call<T, Mask, KV> call{p, q, kv, o, mask, lse, plan, partial_rows, shared ? packed.data() : nullptr};
   const index_t kv_heads = p.batch * p.heads_kv;
   const index_t head_elements = flash_scratch<Acc>::kv_elements(plan, p.seq_kv);
   const index_t q_tiles = plan.q_tiles();
@@ -531,7 +531,7 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
         for (index_t hp = 0; hp < kv_heads * plan.panels; ++hp) {
           const index_t bh_kv = hp / plan.panels;
           Acc* kt_head = call.packed + bh_kv * head_elements;
-          pack_panel(k, v, plan, p.seq_kv, bh_kv / p.heads_kv, bh_kv % p.heads_kv, hp % plan.panels, kt_head,
+          pack_panel<T>(kv, plan, p.seq_kv, bh_kv / p.heads_kv, bh_kv % p.heads_kv, hp % plan.panels, kt_head,
                      kt_head + plan.panels * plan.d * plan.cols);
         }
       }
@@ -545,7 +545,7 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const ten
         const index_t qt = (item / plan.chunks) % q_tiles;
         const index_t bh = item / (plan.chunks * q_tiles);
         const index_t key_lo = c * plan.chunk, key_hi = std::min(p.seq_kv, key_lo + plan.chunk);
-        flash_item<T, Arch, Mask>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
+        flash_item<T, Arch, Mask, KV>(call, sc, bh / p.heads, bh % p.heads, plan.q_start[static_cast<std::size_t>(qt)],
                                   plan.q_start[static_cast<std::size_t>(qt) + 1], key_lo, key_hi,
                                   call.partial ? call.partial + item * part_stride : nullptr);
       }
