@@ -8,6 +8,7 @@
 #     with wrong kernels (the harness must fail them) and the reference solution (it must pass and give a report);
 #  4. the CPU test suite under ASan + UBSan;
 #  5. 60 s of libFuzzer on the attend() harness.
+#  6. fusedattn/dist over MPI: its tests under mpirun on 1, 2 and 3 ranks (oversubscribed), and example 13.
 #  7. the Ascend backend installed against a stand-in CANN toolkit and used through find_package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +87,13 @@ mkdir -p build/ci-fuzz/corpus build/ci-fuzz/artifacts
 UBSAN_OPTIONS=print_stacktrace=1 \
   ./build/ci-fuzz/tests/fuzz/fuzz_attend -max_total_time="${FUZZ_SECONDS:-60}" -timeout=20 -rss_limit_mb=4096 \
   -artifact_prefix=build/ci-fuzz/artifacts/ -print_final_stats=1 build/ci-fuzz/corpus tests/fuzz/corpus
+# 6. fusedattn/dist over Open MPI: the sharded-attention tests under mpirun -np 1, 2 and 3 (--oversubscribe, and
+#    --allow-run-as-root for CI's root user; one OpenMP thread per rank), then example 13 on 2 ranks.
+echo "== [6] MPI: fusedattn/dist tests and example 13 under mpirun"
+cmake -S . -B build/ci-mpi -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_WITH_MPI=ON -DFUSEDATTN_WITH_CUDA=OFF \
+  -DFUSEDATTN_BUILD_BENCH=OFF >/dev/null
+cmake --build build/ci-mpi -j"$jobs" --target test_dist_mpi example_13_context_parallel
+ctest --test-dir build/ci-mpi -L mpi --timeout 300
 # 7. The Ascend backend as a user with CANN builds it: fusedattn installed with FUSEDATTN_WITH_ASCEND=ON against a
 #    stand-in toolkit (the transcribed declarations as acl/acl.h and aclnnop/*.h, the recording fake as
 #    libascendcl.so), then a program that takes fusedattn::ascend from find_package runs policy::ascend against

@@ -1,8 +1,7 @@
 // dist::attend over MPI, run under mpirun on 1, 2 and 3 ranks: each rank's shard of O and lse against the float64
-// oracle of the whole problem (f32, f64) and against one process's attend on the same inputs (bf16 and f16, within
-// TransformerEngine's context-parallel tolerances); both layouts and strategies, dense and causal, GQA and MQA,
-// seq_q != seq_kv; uneven splits, a bad input on one rank, ranks that disagree and unsupported masks are refused by
-// every rank with nothing written. Checks use CHECK after the collective call so every rank stays in step.
+// oracle of the whole problem (f32, f64; bf16 and f16: test_dist_mpi_half.cpp); both layouts and strategies, dense
+// and causal, GQA and MQA, seq_q != seq_kv; uneven splits, a bad input on one rank, ranks that disagree and
+// unsupported masks are refused by every rank with nothing written. Checks use CHECK after the collective call so every rank stays in step.
 #include <cmath>
 #include <random>
 #include <string>
@@ -10,11 +9,7 @@
 
 #include <catch2/catch.hpp>
 
-#include <fusedattn/dist/attend.hpp>
-#include <fusedattn/dist/mpi.hpp>
-
-#include "dist_support.hpp"
-#include "support/check.hpp"
+#include "mpi_case.hpp"
 
 namespace fa = fusedattn;
 namespace dist = fusedattn::dist;
@@ -23,50 +18,6 @@ using fusedattn::index_t;
 using fusedattn::scalar_name;
 
 namespace {
-
-/// A seed drawn on rank 0 and shared, so every rank builds the same whole-sequence inputs.
-std::uint64_t shared_seed(dist::mpi_comm& comm) {
-  std::uint64_t seed = fresh_seed();
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, comm.native());
-  return seed;
-}
-
-/// A whole problem, its inputs, and this rank's shards of Q, K, V.
-template <class T>
-struct sharded_case {
-  attention_case<T> whole;
-  std::vector<T> q, k, v, o;
-  std::vector<float> lse;
-  fa::problem local;
-  sharded_case(const fa::problem& p, dist::layout l, dist::mpi_comm& comm, std::mt19937_64& rng)
-      : whole(p, layout::bshd, rng),
-        q(shard_of(whole.q.cview(), l, comm.size(), comm.rank())),
-        k(shard_of(whole.k.cview(), l, comm.size(), comm.rank())),
-        v(shard_of(whole.v.cview(), l, comm.size(), comm.rank())),
-        o(q.size(), T(7.0f)),
-        lse(static_cast<std::size_t>(p.batch * p.heads * dist::shard_rows(p.seq_q, comm.size())), 7.0f),
-        local(p) {
-    local.seq_q = dist::shard_rows(p.seq_q, comm.size());
-    local.seq_kv = dist::shard_rows(p.seq_kv, comm.size());
-  }
-  fa::status run(dist::mpi_comm& comm, const fa::any_mask& mask, const dist::options& opt) {
-    const fa::problem& p = whole.p;
-    return dist::attend(comm, fa::policy::cpu<>{1}, p, fa::bhsd<const T>(q.data(), local.q_dims()),
-                        fa::bhsd<const T>(k.data(), local.kv_dims()), fa::bhsd<const T>(v.data(), local.kv_dims()),
-                        fa::bhsd(o.data(), local.o_dims()), mask, lse.data(), opt);
-  }
-};
-
-/// Max |x − ref| of this rank's O shard (contiguous) against reference rows in shard order.
-template <class T>
-double shard_error(const std::vector<T>& o, const std::vector<double>& ref) {
-  double err = 0;
-  for (std::size_t i = 0; i < o.size(); ++i) {
-    const double x = static_cast<double>(o[i]);
-    err = std::max(err, std::isnan(x) ? std::numeric_limits<double>::infinity() : std::abs(x - ref[i]));
-  }
-  return err;
-}
 
 /// f32 / f64: the shard against the float64 oracle of the whole problem.
 template <class T>
@@ -90,43 +41,6 @@ void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_ma
   const double lse_err = max_lse_error(c.lse, ref_lse);
   INFO("lse error " << lse_err << " tolerance " << e.lse_tolerance + allowance);
   CHECK(lse_err <= e.lse_tolerance + allowance);
-}
-
-/// bf16 / f16: the shard against one process's attend over the whole problem on the same inputs, and against the
-/// oracle, with TransformerEngine's context-parallel tolerances: |x − y| <= atol + rtol·|y|.
-template <class T>
-void against_one_process(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask,
-                         const dist::options& opt, double tol) {
-  const std::uint64_t seed = shared_seed(comm);
-  std::mt19937_64 rng(seed);
-  sharded_case<T> c(p, opt.layout, comm, rng);
-  INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << dist::layout_name(opt.layout) << " "
-                        << dist::strategy_name(opt.strategy) << " ranks " << comm.size() << " rank " << comm.rank()
-                        << " seed=" << seed);
-  const fa::status st = c.run(comm, mask, opt);
-  INFO(st.what());
-  REQUIRE(st.ok());
-  std::vector<T> one(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim));
-  std::vector<float> one_lse(static_cast<std::size_t>(p.lse_size()));
-  REQUIRE(fa::attend(fa::policy::cpu<>{1}, p, c.whole.q.cview(), c.whole.k.cview(), c.whole.v.cview(),
-                     fa::bhsd(one.data(), p.o_dims()), mask, one_lse.data())
-              .ok());
-  const std::vector<double> one_d(one.begin(), one.end());
-  const std::vector<double> one_lse_d(one_lse.begin(), one_lse.end());
-  const std::vector<double> ref_o = shard_rows_of(one_d, p, p.head_dim, opt.layout, comm.size(), comm.rank());
-  const std::vector<double> ref_lse = shard_rows_of(one_lse_d, p, 1, opt.layout, comm.size(), comm.rank());
-  const reference oracle = reference_attention<double>(p, c.whole.q.cview(), c.whole.k.cview(), c.whole.v.cview(),
-                                                       bind_band(mask, p));
-  const std::vector<double> oracle_o = shard_rows_of(oracle.o, p, p.head_dim, opt.layout, comm.size(), comm.rank());
-  int bad = 0, bad_oracle = 0;
-  for (std::size_t i = 0; i < c.o.size(); ++i) {
-    const double x = static_cast<double>(c.o[i]);
-    if (!(std::abs(x - ref_o[i]) <= tol + tol * std::abs(ref_o[i]))) ++bad;
-    if (!(std::abs(x - oracle_o[i]) <= tol + tol * std::abs(oracle_o[i]))) ++bad_oracle;
-  }
-  CHECK(bad == 0);
-  CHECK(bad_oracle == 0);
-  CHECK(max_lse_error(c.lse, ref_lse) <= tol);
 }
 
 std::vector<fa::problem> shapes(int ranks) {
@@ -153,19 +67,6 @@ TEST_CASE("dist::attend over MPI: f32 and f64 against the float64 oracle", "[dis
           against_oracle<float>(comm, p, mask, opt);
           against_oracle<double>(comm, p, mask, opt);
         }
-}
-
-TEST_CASE("dist::attend over MPI: bf16 and f16 against one process, TransformerEngine tolerances", "[dist][mpi]") {
-  dist::mpi_comm comm;
-  const index_t u = 2 * comm.size();
-  const std::vector<fa::problem> ps = {{1, 4, 4, u * 32, u * 32, 64}, {2, 8, 2, u * 19, u * 19, 128}};
-  for (const fa::problem& p : ps)
-    for (const fa::any_mask& mask : {fa::any_mask{fa::dense{}}, fa::any_mask{fa::causal{}}})
-      for (dist::strategy s : {dist::strategy::ring, dist::strategy::all_gather}) {
-        const dist::options opt{dist::layout::zigzag, s, {}};
-        against_one_process<Eigen::bfloat16>(comm, p, mask, opt, 2.5e-2);
-        against_one_process<Eigen::half>(comm, p, mask, opt, 5e-3);
-      }
 }
 
 TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is written", "[dist][mpi]") {

@@ -213,16 +213,12 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
     const tensor_ref<const T> vs{vb + k0 * g.head_dim, sp.kv_dims(), kv_st};
     const tensor_ref<T> part = bhsd(part_o, sp.q_dims());
     const tensor_ref<const T> qs = rows_of(q, q0, nq);
-    status s;
-    switch (bm) {
-      case block_mask::dense: s = fusedattn::attend(pol, sp, qs, ks, vs, part, fusedattn::dense{}, part_lse); break;
-      case block_mask::causal_top_left:
-        s = fusedattn::attend(pol, sp, qs, ks, vs, part, fusedattn::causal{align::top_left}, part_lse);
-        break;
-      case block_mask::causal_bottom_right:
-        s = fusedattn::attend(pol, sp, qs, ks, vs, part, fusedattn::causal{align::bottom_right}, part_lse);
-        break;
-    }
+    const status s =
+        bm == block_mask::dense
+            ? fusedattn::attend(pol, sp, qs, ks, vs, part, fusedattn::dense{}, part_lse)
+            : fusedattn::attend(pol, sp, qs, ks, vs, part,
+                                fusedattn::causal{bm == block_mask::causal_top_left ? align::top_left : align::bottom_right},
+                                part_lse);
     if (!s) return s;
     const tensor_ref<acc_t> acc_rows = rows_of(acc, q0, nq);
     const lse_ref<float> acc_l_rows = rows_of(acc_l, q0, nq);
@@ -317,8 +313,9 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
         tensor_ref<const T> ks = own_kv_k, vs = own_kv_k;
         ks.data = from;
         vs.data = from + kv_elems;
-        st = ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size()));
-        if (st) st = ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size()));
+        const status sk = ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size()));
+        const status sv = sk ? ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())) : sk;
+        st = sv;
         local += rr.size();
       }
     }
@@ -336,7 +333,10 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
       }
     }
   }
-  if (st) st = ex.synchronize();
+  if (st) {
+    const status synced = ex.synchronize();
+    st = synced;
+  }
   if (status s = agree(comm, st, fp); !s) return s;
   // Every rank succeeded: write the outputs.
   if (status s = ex.copy(tensor_ref<const acc_t>(acc), o); !s) return s;
@@ -402,8 +402,9 @@ status attend(Comm& comm, const Policy& pol, const problem& global,
                 "dist::attend with policy::cuda needs fusedattn/dist/cuda.cuh, included in a .cu file");
   const int n = comm.size();
   bool is_causal = false;
-  status local = detail::mask_kind<Mask>::is_causal(mask, is_causal);
+  const status mask_ok = detail::mask_kind<Mask>::is_causal(mask, is_causal);
   const auto check = [&]() -> status {
+    if (!mask_ok) return mask_ok;
     if (n < 1 || comm.rank() < 0 || comm.rank() >= n)
       return status::invalid("comm: rank " + std::to_string(comm.rank()) + " of " + std::to_string(n));
     if (opt.layout != layout::contiguous && opt.layout != layout::zigzag)
@@ -429,7 +430,7 @@ status attend(Comm& comm, const Policy& pol, const problem& global,
     if (status s = validate_policy(pol); !s) return s;
     return validate(lp, q, k, v, o, fusedattn::dense{}, lse);
   };
-  if (local) local = check();
+  const status local = check();
   const std::uint64_t fp = detail::fingerprint(global, is_causal, opt, scalar_name<T>());
   if (status s = detail::agree(comm, local, fp); !s) return s;
   auto ex = detail::exec_for<Policy>::make(pol);

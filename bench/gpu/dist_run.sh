@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Context parallelism on the GPUs of one host (example 13, NCCL version; one MPI process per GPU, MPI only bootstraps
+# NCCL): builds it, checks it against one GPU on the same inputs (2 GPUs, then 4 where there are 4), then benches
+# causal, 32 heads, head_dim 128, bf16, S 32k-256k: one GPU's time, N GPUs' time, compute alone, communication
+# alone, scaling efficiency (one GPU / (N x N GPUs)) and the communication hidden / exposed. NVLink multicast (NVLS)
+# is left off. Logs, the table and JSON lines go to $OUT (default ./dist-out).
+#   bench/gpu/dist_run.sh            configure and build in build-gpu-dist (needs .deps from shared/device/fetch-deps.sh)
+#   bench/gpu/dist_run.sh BIN_DIR    use a prebuilt example_13_context_parallel_nccl (and the MPI CPU example) in BIN_DIR
+#   SEQS=32768,65536 REPS=5 GPU_COUNTS="2 4" pick the sweep.
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/dist-out}
+mkdir -p "$OUT"
+SEQS=${SEQS:-32768,65536,131072,262144}
+REPS=${REPS:-5}
+if [[ $# -ge 1 ]]; then
+  BIN=$1
+else
+  cmake -S . -B build-gpu-dist -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
+    -DFUSEDATTN_WITH_CUDA=ON -DFUSEDATTN_WITH_MPI=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DFUSEDATTN_BUILD_TESTS=OFF \
+    -DFUSEDATTN_BUILD_BENCH=OFF >"$OUT/configure.log" 2>&1 &&
+    cmake --build build-gpu-dist --target example_13_context_parallel_nccl example_13_context_parallel \
+      >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  BIN=build-gpu-dist/examples/13_context_parallel
+fi
+gpus=$(nvidia-smi -L | wc -l)
+nvidia-smi -L | tee "$OUT/gpus.txt"
+nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+GPU_COUNTS=${GPU_COUNTS:-$( [[ $gpus -ge 4 ]] && echo "2 4" || echo "2")}
+export NCCL_NVLS_ENABLE=0
+MPIRUN=(mpirun --oversubscribe --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH)
+rc=0
+if [[ -x $BIN/example_13_context_parallel ]]; then
+  echo "== MPI on CPU processes (2 ranks)"
+  "${MPIRUN[@]}" -np 2 -x OMP_NUM_THREADS=4 "$BIN/example_13_context_parallel" 2>&1 | tee "$OUT/cpu_check.log" || rc=1
+fi
+rm -f "$OUT/dist_bench.jsonl"
+for n in $GPU_COUNTS; do
+  [[ $n -le $gpus ]] || continue
+  echo "== NCCL check, $n GPUs"
+  "${MPIRUN[@]}" -np "$n" "$BIN/example_13_context_parallel_nccl" 2>&1 | tee "$OUT/nccl_check_$n.log" || rc=1
+  echo "== NCCL bench, $n GPUs"
+  "${MPIRUN[@]}" -np "$n" "$BIN/example_13_context_parallel_nccl" --bench --seq "$SEQS" --reps "$REPS" \
+    --json "$OUT/dist_bench.jsonl" 2>&1 | tee "$OUT/nccl_bench_$n.log" || rc=1
+done
+echo "== table (card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
+cat "$OUT"/nccl_bench_*.log 2>/dev/null | grep -E '^(S|[0-9])' | sort -u -k2,2n -k1,1n | tee "$OUT/table.txt"
+exit $rc
