@@ -8,7 +8,8 @@
 /// GQA / MQA: dK and dV of a kv head sum over the query heads that read it.
 ///
 /// Schedule and determinism (no atomics; every output element has one summation order fixed by the problem):
-///   1. δ per query row (one thread per row).
+///   1. Per query row (one thread per row): δ, lse·log2e, and Q and dO converted to the accumulation type once
+///      (zero rows for rows that saw no key), for every kv tile to read.
 ///   2. Work items (b, h_kv, chunk c): the item owns the kv tiles t ≡ c (mod chunks) of kv head (b, h_kv) (tiles
 ///      interleaved so causal masks balance). Per tile it visits the query heads of the group in ascending order
 ///      and, per head, the q tiles that see the tile (mask.q_range / mask.sees: the column walk) in ascending
@@ -50,8 +51,8 @@ inline constexpr index_t backward_q_tile_rows = 64;
 /// Keys per tile of the backward pass: the dK and dV tiles (keys × head_dim) stay in L2 beside the packed K, Kᵀ
 /// and Vᵀ. 128 up to head_dim 128, 64 beyond.
 inline constexpr index_t backward_kv_tile_keys(index_t d) { return d <= 128 ? 128 : 64; }
-/// Work items the chunking aims at (kv chunks per kv head × kv heads): enough for 16+ threads to balance.
-inline constexpr index_t backward_target_items = 64;
+/// Work items the chunking aims at (kv chunks per kv head × kv heads): enough for 16 threads to balance.
+inline constexpr index_t backward_target_items = 32;
 /// The partial dQ buffers (chunks × the size of dQ in the accumulation type) are kept under this many bytes
 /// unless one chunk alone needs more.
 inline constexpr index_t backward_partial_cap_bytes = index_t(256) << 20;
@@ -104,28 +105,20 @@ backward_plan make_backward_plan(const problem& p, const Mask& mask, tile_sizes 
 /// Per-thread working memory of the backward pass (sizes fixed by the plan).
 template <class Acc>
 struct backward_scratch {
-  line_vector<Acc> q, d_o;       ///< bq × dp: the Q and dO tiles (zero rows for rows that saw no key)
   line_vector<Acc> s, ds;        ///< bq × ldk: S then P; dP then dS
-  line_vector<Acc> lse2, delta;  ///< bq: lse·log2e and δ per row
-  std::vector<unsigned char> live;  ///< bq: the row saw a key (lse > −inf)
   line_vector<Acc> k;            ///< bkv × dp: the K tile
   line_vector<Acc> kt, vt;       ///< d × ldk: Kᵀ and Vᵀ of the tile, zero past its keys
   line_vector<Acc> dk, dv;       ///< bkv × dp: the tile's unscaled dK and its dV
 
   static index_t elements(const backward_plan& f) {
-    return 2 * f.bq * f.dp + 2 * f.bq * f.ldk + 2 * f.bq + f.bkv * f.dp + 2 * f.d * f.ldk + 2 * f.bkv * f.dp;
+    return 2 * f.bq * f.ldk + f.bkv * f.dp + 2 * f.d * f.ldk + 2 * f.bkv * f.dp;
   }
   void allocate(const backward_plan& f) {
     auto grow = [](auto& buf, index_t n) {
       if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
     };
-    grow(q, f.bq * f.dp);
-    grow(d_o, f.bq * f.dp);
     grow(s, f.bq * f.ldk);
     grow(ds, f.bq * f.ldk);
-    grow(lse2, f.bq);
-    grow(delta, f.bq);
-    grow(live, f.bq);
     grow(k, f.bkv * f.dp);
     grow(kt, f.d * f.ldk);
     grow(vt, f.d * f.ldk);
@@ -134,13 +127,51 @@ struct backward_scratch {
   }
 };
 
-/// Bytes of scratch one backward call allocates: per thread backward_scratch, plus δ (b·h·seq_q) and the partial
-/// dQ buffers (chunks × b·h·seq_q·dp), in the accumulation type.
+/// Per-row buffers of one call, shared by its threads: Q and dO in Acc, δ, lse·log2e, row flags, and the partial
+/// dQ of every chunk. Kept by the calling thread between calls (buffers only grow; see backward_buffers_of).
+template <class Acc>
+struct backward_buffers {
+  line_vector<Acc> q, d_o;         ///< rows × dp: Q and dO converted, zero for rows that saw no key and past d
+  line_vector<Acc> delta, lse2;    ///< rows: δ and lse·log2e
+  std::vector<unsigned char> flags;  ///< rows: row_live | row_finite
+  line_vector<Acc> partial;        ///< chunks × rows × dp: [chunk][b][h][i][dp]
+
+  static constexpr unsigned char row_live = 1;    ///< the row saw a key (lse > −inf)
+  static constexpr unsigned char row_finite = 2;  ///< the row's Q and dO are finite
+
+  static index_t elements(const problem& p, const backward_plan& f) {
+    const index_t rows = p.batch * p.heads * p.seq_q;
+    return (2 + f.chunks) * rows * f.dp + 2 * rows;
+  }
+  void allocate(const problem& p, const backward_plan& f) {
+    const index_t rows = p.batch * p.heads * p.seq_q;
+    auto grow = [](auto& buf, index_t n) {
+      if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
+    };
+    grow(q, rows * f.dp);
+    grow(d_o, rows * f.dp);
+    grow(delta, rows);
+    grow(lse2, rows);
+    grow(flags, rows);
+    grow(partial, f.chunks * rows * f.dp);
+  }
+};
+
+/// The calling thread's backward_buffers (reused across calls, so that a call touches no fresh pages once the
+/// buffers are large enough; they are freed when the thread ends).
+template <class Acc>
+backward_buffers<Acc>& backward_buffers_of_this_thread() {
+  static thread_local backward_buffers<Acc> buffers;
+  return buffers;
+}
+
+/// Bytes of scratch one backward call allocates: per thread backward_scratch, plus the call's backward_buffers
+/// (about (2 + chunks) × the size of dQ in the accumulation type).
 template <class Acc>
 index_t backward_scratch_bytes(const problem& p, const backward_plan& f, index_t threads) {
-  const index_t rows = p.batch * p.heads * p.seq_q;
-  return (threads * backward_scratch<Acc>::elements(f) + rows + f.chunks * rows * f.dp) * index_t(sizeof(Acc)) +
-         threads * f.bq;
+  return (threads * backward_scratch<Acc>::elements(f) + backward_buffers<Acc>::elements(p, f)) *
+             index_t(sizeof(Acc)) +
+         p.batch * p.heads * p.seq_q;
 }
 
 /// The state shared by all threads of one backward call.
@@ -158,8 +189,7 @@ struct backward_call {
   const tensor_ref<T>& dv;
   const Mask& mask;
   const backward_plan& plan;
-  accum_t<T>* delta;    ///< [b][h][i]
-  accum_t<T>* partial;  ///< [chunk][b][h][i][dp]
+  backward_buffers<accum_t<T>>& rows;
 };
 
 /// Whether none of the n values at x is NaN or ±inf.
@@ -201,40 +231,27 @@ void backward_pair(const backward_call<T, Mask>& call, backward_scratch<accum_t<
   const index_t kvec = (kn + W - 1) / W, dvec = f.dp / W;
   const Acc c = static_cast<Acc>(p.softmax_scale() * log2e);
 
-  // The Q and dO tiles (qn × dp) in Acc; rows that saw no key (lse = −inf) are zero and stay out of every sum.
-  bool q_finite = true, do_finite = true;
-  for (index_t i = 0; i < qn; ++i) {
-    const index_t row = (b * p.heads + h) * p.seq_q + q0 + i;
-    const float lse = call.lse[row];
-    const bool live = lse != -std::numeric_limits<float>::infinity();
-    sc.live[static_cast<std::size_t>(i)] = live;
-    sc.lse2[static_cast<std::size_t>(i)] = static_cast<Acc>(lse) * static_cast<Acc>(log2e);
-    sc.delta[static_cast<std::size_t>(i)] = call.delta[row];
-    Acc* qr = sc.q.data() + i * f.dp;
-    Acc* dr = sc.d_o.data() + i * f.dp;
-    const T* qs = call.q.row(b, h, q0 + i);
-    const T* ds = call.d_o.row(b, h, q0 + i);
-    for (index_t x = 0; x < f.d; ++x) {
-      qr[x] = live ? static_cast<Acc>(qs[x]) : Acc(0);
-      dr[x] = live ? static_cast<Acc>(ds[x]) : Acc(0);
-    }
-    std::fill(qr + f.d, qr + f.dp, Acc(0));
-    std::fill(dr + f.d, dr + f.dp, Acc(0));
-    q_finite &= finite_values(qr, f.d);
-    do_finite &= finite_values(dr, f.d);
-  }
+  // The Q and dO tiles (qn × dp) and the row values, packed by the call's first pass.
+  using buffers = backward_buffers<Acc>;
+  const index_t row0 = (b * p.heads + h) * p.seq_q + q0;
+  const Acc* q_tile = call.rows.q.data() + row0 * f.dp;
+  const Acc* do_tile = call.rows.d_o.data() + row0 * f.dp;
+  const Acc* lse2 = call.rows.lse2.data() + row0;
+  const Acc* delta = call.rows.delta.data() + row0;
+  const unsigned char* flags = call.rows.flags.data() + row0;
+  const auto live = [&](index_t i) { return (flags[i] & buffers::row_live) != 0; };
 
   // S (qn × kvec·W) = Q (qn × d) · Kᵀ (d × kvec·W); then P = 2^(c·S − lse·log2e) in place.
-  cpu::abt_tile<Acc, Arch>(sc.q.data(), f.dp, sc.kt.data(), f.ldk, f.d, qn, kvec, sc.s.data(), f.ldk);
+  cpu::abt_tile<Acc, Arch>(q_tile, f.dp, sc.kt.data(), f.ldk, f.d, qn, kvec, sc.s.data(), f.ldk);
   const bool partial = mask.is_partial(q0, q1, k0, k0 + kn);
   const vec vc = V::broadcast(c);
   for (index_t i = 0; i < qn; ++i) {
     Acc* srow = sc.s.data() + i * f.ldk;
-    if (!sc.live[static_cast<std::size_t>(i)]) {
+    if (!live(i)) {
       std::fill(srow, srow + kvec * W, Acc(0));
       continue;
     }
-    const vec neg_lse = V::broadcast(-sc.lse2[static_cast<std::size_t>(i)]);
+    const vec neg_lse = V::broadcast(-lse2[i]);
     for (index_t j = 0; j < kvec * W; j += W) V::store(srow + j, V::exp2(V::fma(V::load(srow + j), vc, neg_lse)));
     std::fill(srow + kn, srow + kvec * W, Acc(0));
     if (partial) zero_forbidden(mask, q0 + i, k0, kn, srow);
@@ -242,38 +259,41 @@ void backward_pair(const backward_call<T, Mask>& call, backward_scratch<accum_t<
 
   // dP (qn × kvec·W) = dO (qn × d) · Vᵀ (d × kvec·W); then dS = P ∘ (dP − δ) in place (forbidden entries exactly 0,
   // whatever dP holds, so that a non-finite value never reaches a gradient through a masked entry).
-  cpu::abt_tile<Acc, Arch>(sc.d_o.data(), f.dp, sc.vt.data(), f.ldk, f.d, qn, kvec, sc.ds.data(), f.ldk);
+  cpu::abt_tile<Acc, Arch>(do_tile, f.dp, sc.vt.data(), f.ldk, f.d, qn, kvec, sc.ds.data(), f.ldk);
   for (index_t i = 0; i < qn; ++i) {
     Acc* drow = sc.ds.data() + i * f.ldk;
-    if (!sc.live[static_cast<std::size_t>(i)]) {
+    if (!live(i)) {
       std::fill(drow, drow + kvec * W, Acc(0));
       continue;
     }
     const Acc* prow = sc.s.data() + i * f.ldk;
-    const vec vdelta = V::broadcast(sc.delta[static_cast<std::size_t>(i)]);
+    const vec vdelta = V::broadcast(delta[i]);
     for (index_t j = 0; j < kvec * W; j += W)
       V::store(drow + j, V::mul(V::load(prow + j), V::sub(V::load(drow + j), vdelta)));
     std::fill(drow + kn, drow + kvec * W, Acc(0));
     if (partial) zero_forbidden(mask, q0 + i, k0, kn, drow);
   }
 
-  if (partial && !(q_finite && do_finite && k_finite)) {
+  bool rows_finite = true;
+  if (partial)
+    for (index_t i = 0; i < qn; ++i) rows_finite &= (flags[i] & buffers::row_finite) != 0;
+  if (partial && !(rows_finite && k_finite)) {
     // A partial tile with a non-finite Q, dO or K value: the GEMMs would multiply a masked entry's exact 0 with
     // it (0·NaN = NaN) and reach gradients the value does not touch. Sum over the allowed entries only.
     for (index_t j = 0; j < kn; ++j) {
       Acc* dvr = sc.dv.data() + j * f.dp;
       Acc* dkr = sc.dk.data() + j * f.dp;
       for (index_t i = 0; i < qn; ++i) {
-        if (!sc.live[static_cast<std::size_t>(i)] || !mask.allowed(q0 + i, k0 + j)) continue;
+        if (!live(i) || !mask.allowed(q0 + i, k0 + j)) continue;
         const Acc p_ij = sc.s[static_cast<std::size_t>(i * f.ldk + j)], ds_ij = sc.ds[static_cast<std::size_t>(i * f.ldk + j)];
         for (index_t x = 0; x < f.d; ++x) {
-          dvr[x] += p_ij * sc.d_o[static_cast<std::size_t>(i * f.dp + x)];
-          dkr[x] += ds_ij * sc.q[static_cast<std::size_t>(i * f.dp + x)];
+          dvr[x] += p_ij * do_tile[i * f.dp + x];
+          dkr[x] += ds_ij * q_tile[i * f.dp + x];
         }
       }
     }
     for (index_t i = 0; i < qn; ++i) {
-      if (!sc.live[static_cast<std::size_t>(i)]) continue;
+      if (!live(i)) continue;
       Acc* dqr = dq_part + (q0 + i) * f.dp;
       for (index_t j = 0; j < kn; ++j) {
         if (!mask.allowed(q0 + i, k0 + j)) continue;
@@ -284,8 +304,8 @@ void backward_pair(const backward_call<T, Mask>& call, backward_scratch<accum_t<
     return;
   }
   // dV (kn × dp) += Pᵀ (kn × qn) · dO (qn × dp);  dK (kn × dp) += dSᵀ (kn × qn) · Q (qn × dp).
-  cpu::acc_tile<Acc, Arch>(sc.s.data(), 1, f.ldk, sc.d_o.data(), f.dp, qn, kn, dvec, sc.dv.data(), f.dp);
-  cpu::acc_tile<Acc, Arch>(sc.ds.data(), 1, f.ldk, sc.q.data(), f.dp, qn, kn, dvec, sc.dk.data(), f.dp);
+  cpu::acc_tile<Acc, Arch>(sc.s.data(), 1, f.ldk, do_tile, f.dp, qn, kn, dvec, sc.dv.data(), f.dp);
+  cpu::acc_tile<Acc, Arch>(sc.ds.data(), 1, f.ldk, q_tile, f.dp, qn, kn, dvec, sc.dk.data(), f.dp);
   // dQ rows (qn × dp) += dS (qn × kn) · K (kn × dp).
   cpu::acc_tile<Acc, Arch>(sc.ds.data(), f.ldk, 1, sc.k.data(), f.dp, kn, qn, dvec, dq_part + q0 * f.dp, f.dp);
 }
@@ -301,7 +321,7 @@ void backward_item(const backward_call<T, Mask>& call, backward_scratch<accum_t<
   const index_t group = p.group_size(), h_first = h_kv * group;
   const index_t head_rows = p.seq_q * f.dp;
   // This chunk's partial dQ of the group's query heads (adjacent), zeroed first.
-  Acc* part = call.partial + ((chunk * p.batch + b) * p.heads + h_first) * head_rows;
+  Acc* part = call.rows.partial.data() + ((chunk * p.batch + b) * p.heads + h_first) * head_rows;
   std::fill(part, part + group * head_rows, Acc(0));
   const Acc scale = static_cast<Acc>(p.softmax_scale());
 
@@ -368,7 +388,7 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
                            tile_sizes tiles) {
   using Acc = accum_t<T>;
   backward_plan plan;
-  line_vector<Acc> delta, partial;
+  backward_buffers<Acc>& buffers = backward_buffers_of_this_thread<Acc>();
   index_t items = 0;
   int n_threads = 1;
   const index_t rows = p.batch * p.heads * p.seq_q;
@@ -381,12 +401,11 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
     plan = make_backward_plan<Acc, Arch>(p, mask, tiles);
     items = p.batch * p.heads_kv * plan.chunks;
     n_threads = static_cast<int>(std::max<index_t>(1, std::min<index_t>(threads, std::max(items, rows))));
-    delta.resize(static_cast<std::size_t>(rows));
-    partial.resize(static_cast<std::size_t>(plan.chunks * rows * plan.dp));
+    buffers.allocate(p, plan);
   } catch (const std::bad_alloc&) {
     return oom();
   }
-  const backward_call<T, Mask> call{p, q, k, v, o, d_o, lse, dq, dk, dv, mask, plan, delta.data(), partial.data()};
+  const backward_call<T, Mask> call{p, q, k, v, o, d_o, lse, dq, dk, dv, mask, plan, buffers};
   const Acc scale = static_cast<Acc>(p.softmax_scale());
   const index_t chunk_stride = rows * plan.dp;
   int failed = 0;
@@ -412,19 +431,35 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
 #endif
     any_failed = failed;
     if (!any_failed) {
-      // 1. δ_i = Σ_c dO[i][c]·O[i][c] in Acc (0 for rows that saw no key).
+      // 1. Per row: δ_i = Σ_c dO[i][c]·O[i][c], lse·log2e, Q and dO in Acc (zero for a row that saw no key, and
+      //    past d), the row's flags.
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
       for (index_t row = 0; row < rows; ++row) {
         const index_t i = row % p.seq_q, h = row / p.seq_q % p.heads, b = row / p.seq_q / p.heads;
+        const bool live = lse[row] != -std::numeric_limits<float>::infinity();
+        Acc* qr = buffers.q.data() + row * plan.dp;
+        Acc* dr = buffers.d_o.data() + row * plan.dp;
+        std::fill(qr, qr + plan.dp, Acc(0));
+        std::fill(dr, dr + plan.dp, Acc(0));
         Acc sum = 0;
-        if (lse[row] != -std::numeric_limits<float>::infinity()) {
-          const T* orow = o.row(b, h, i);
-          const T* drow = d_o.row(b, h, i);
-          for (index_t x = 0; x < p.head_dim; ++x) sum += static_cast<Acc>(drow[x]) * static_cast<Acc>(orow[x]);
+        if (live) {
+          const T* qs = q.row(b, h, i);
+          const T* os = o.row(b, h, i);
+          const T* ds = d_o.row(b, h, i);
+          for (index_t x = 0; x < p.head_dim; ++x) {
+            qr[x] = static_cast<Acc>(qs[x]);
+            dr[x] = static_cast<Acc>(ds[x]);
+            sum += dr[x] * static_cast<Acc>(os[x]);
+          }
         }
-        delta[static_cast<std::size_t>(row)] = sum;
+        buffers.delta[static_cast<std::size_t>(row)] = sum;
+        buffers.lse2[static_cast<std::size_t>(row)] = static_cast<Acc>(lse[row]) * static_cast<Acc>(log2e);
+        const bool finite = finite_values(qr, p.head_dim) && finite_values(dr, p.head_dim);
+        buffers.flags[static_cast<std::size_t>(row)] =
+            static_cast<unsigned char>((live ? backward_buffers<Acc>::row_live : 0) |
+                                       (finite ? backward_buffers<Acc>::row_finite : 0));
       }
       // 2. dK, dV per kv tile and the partial dQ per chunk.
 #if defined(_OPENMP)
@@ -441,11 +476,11 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
       for (index_t row = 0; row < rows; ++row) {
         const index_t i = row % p.seq_q, h = row / p.seq_q % p.heads, b = row / p.seq_q / p.heads;
         T* out = dq.row(b, h, i);
-        Acc* sum = sc.q.data();  // one row of scratch
+        Acc* sum = sc.dk.data();  // one row of scratch
         std::fill(sum, sum + p.head_dim, Acc(0));
         if (lse[row] != -std::numeric_limits<float>::infinity())
           for (index_t c = 0; c < plan.chunks; ++c) {
-            const Acc* part = partial.data() + c * chunk_stride + row * plan.dp;
+            const Acc* part = buffers.partial.data() + c * chunk_stride + row * plan.dp;
             for (index_t x = 0; x < p.head_dim; ++x) sum[x] += part[x];
           }
         for (index_t x = 0; x < p.head_dim; ++x) out[x] = static_cast<T>(scale * sum[x]);
