@@ -118,6 +118,7 @@ int main(int argc, char** argv) {
     fb::register_flash_row(r);
     fb::register_peer_rows(r);
   }
+  fb::register_backward_rows(pl);
   benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());
 
   std::ostream& tables = opt.console ? std::cout : std::cerr;

@@ -182,5 +182,8 @@ void register_row(const row_spec& r) {
 void register_naive_row(const row_spec& r);
 /// The flash kernel's row (policy::cpu<> on the compiler's best xsimd arch), from rows_flash.cpp.
 void register_flash_row(const row_spec& r);
+/// The backward pass's rows (flash_bwd/..., attend_backward on policy::cpu<>), from rows_backward.cpp: S 1024–4096,
+/// head_dim 64 and 128, dense and causal, 1 and all threads; f32 (quick), f32 and f16 (full).
+void register_backward_rows(const plan& pl);
 
 }  // namespace fusedattn::bench
