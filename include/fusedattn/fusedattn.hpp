@@ -22,3 +22,4 @@
 #include "dispatch/policy.hpp"
 #include "dispatch/attend.hpp"
 #include "dispatch/backward.hpp"
+#include "dist/merge.hpp"  // merge_partials only: the rest of dist/ (MPI, NCCL) is included explicitly
