@@ -356,7 +356,7 @@ TEST_CASE("block_sparse: every invalid layout is rejected naming the field with 
   const block_layout other_seq = random_layout({40, 64, 8, 16, 1, 2}, 0.5, 5);
   cases.push_back({"seq_kv is 64", other_seq.view()});
   const block_layout short_mask = layout_from_block_mask(g, std::vector<bool>(3, true));
-  cases.push_back({"row_offsets has 0", short_mask.view()});
+  cases.push_back({"the block mask has 3 entries", short_mask.view()});
 
   std::mt19937_64 rng(fresh_seed());
   attention_case<float> c(p, layout::bhsd, rng);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
 #include <string>
 
 #include "status.hpp"
@@ -26,5 +27,24 @@ struct kernel_plan {
 
   explicit operator bool() const noexcept { return st.ok(); }
 };
+
+/// One line for logs and reports: "cpu.flash<avx512f>, 1.53 MiB scratch", "cpu.naive, 16.1 MiB scratch (not
+/// fused: ...)", or "refused: <status>".
+inline std::string to_string(const kernel_plan& pl) {
+  if (!pl.st.ok()) return std::string("refused: ") + to_string(pl.st.code()) + ": " + pl.st.message();
+  char bytes[48];
+  const double b = static_cast<double>(pl.scratch_bytes);
+  if (b < 1024.0)
+    std::snprintf(bytes, sizeof bytes, "%zu B", pl.scratch_bytes);
+  else if (b < 1024.0 * 1024.0)
+    std::snprintf(bytes, sizeof bytes, "%.3g KiB", b / 1024.0);
+  else if (b < 1024.0 * 1024.0 * 1024.0)
+    std::snprintf(bytes, sizeof bytes, "%.3g MiB", b / (1024.0 * 1024.0));
+  else
+    std::snprintf(bytes, sizeof bytes, "%.3g GiB", b / (1024.0 * 1024.0 * 1024.0));
+  std::string line = pl.kernel + ", " + bytes + " scratch";
+  if (!pl.fused) line += " (not fused: " + pl.why + ")";
+  return line;
+}
 
 }  // namespace fusedattn

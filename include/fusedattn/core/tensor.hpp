@@ -34,14 +34,19 @@ struct tensor_ref {
 };
 
 /// A view of contiguous memory laid out [batch][heads][seq][head_dim] (PyTorch's default for SDPA).
+/// Strides are computed with saturating arithmetic: extents whose products leave int64 give a stride of
+/// INT64_MAX, which validation rejects ("the extents and strides address beyond 2^63 elements").
 template <class T>
 tensor_ref<T> bhsd(T* data, dims4 d) {
-  return {data, d, {d.h * d.s * d.d, d.s * d.d, d.d, 1}};
+  using detail::mul_sat;
+  return {data, d, {mul_sat(mul_sat(d.h, d.s), d.d), mul_sat(d.s, d.d), d.d, 1}};
 }
 /// A view of contiguous memory laid out [batch][seq][heads][head_dim] (the layout of a fused QKV projection).
+/// Saturating strides, as bhsd.
 template <class T>
 tensor_ref<T> bshd(T* data, dims4 d) {
-  return {data, d, {d.s * d.h * d.d, d.d, d.h * d.d, 1}};
+  using detail::mul_sat;
+  return {data, d, {mul_sat(mul_sat(d.s, d.h), d.d), d.d, mul_sat(d.h, d.d), 1}};
 }
 /// A view with explicit strides in elements (any layout, e.g. a slice of a larger buffer).
 template <class T>
@@ -50,12 +55,17 @@ tensor_ref<T> strided(T* data, dims4 d, strides4 s) {
 }
 
 /// Total elements of the smallest buffer that holds every element of `t` (0 when any extent is 0).
-/// Assumes non-negative strides, which validation enforces.
+/// Meaningful for non-negative strides, which validation enforces; saturates at INT64_MAX (never overflows).
 template <class T>
 index_t span_elements(const tensor_ref<T>& t) {
+  using detail::add_sat;
+  using detail::mul_sat;
   if (t.dims.b <= 0 || t.dims.h <= 0 || t.dims.s <= 0 || t.dims.d <= 0) return 0;
-  return (t.dims.b - 1) * t.stride.b + (t.dims.h - 1) * t.stride.h + (t.dims.s - 1) * t.stride.s +
-         (t.dims.d - 1) * t.stride.d + 1;
+  index_t span = 1;
+  const index_t ext[4] = {t.dims.b, t.dims.h, t.dims.s, t.dims.d};
+  const index_t st[4] = {t.stride.b, t.stride.h, t.stride.s, t.stride.d};
+  for (int i = 0; i < 4; ++i) span = add_sat(span, mul_sat(ext[i] - 1, st[i]));
+  return span;
 }
 
 }  // namespace fusedattn

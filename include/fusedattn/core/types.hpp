@@ -60,6 +60,37 @@ constexpr const char* scalar_name() {
 }
 
 namespace detail {
+/// a + b into `out`, or false (out untouched) when the sum leaves the int64 range.
+inline bool add_ok(index_t a, index_t b, index_t& out) {
+  if ((b > 0 && a > INT64_MAX - b) || (b < 0 && a < INT64_MIN - b)) return false;
+  out = a + b;
+  return true;
+}
+/// a · b into `out`, or false (out untouched) when the product leaves the int64 range. Any signs.
+inline bool mul_ok(index_t a, index_t b, index_t& out) {
+  if (a == 0 || b == 0) {
+    out = 0;
+    return true;
+  }
+  if ((a == -1 && b == INT64_MIN) || (b == -1 && a == INT64_MIN)) return false;
+  const index_t r = static_cast<index_t>(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
+  if (r / b != a) return false;
+  out = r;
+  return true;
+}
+/// a · b, saturated to INT64_MAX (or INT64_MIN) instead of overflowing.
+inline index_t mul_sat(index_t a, index_t b) {
+  index_t r = 0;
+  if (mul_ok(a, b, r)) return r;
+  return (a < 0) != (b < 0) ? INT64_MIN : INT64_MAX;
+}
+/// a + b, saturated to INT64_MAX (or INT64_MIN) instead of overflowing.
+inline index_t add_sat(index_t a, index_t b) {
+  index_t r = 0;
+  if (add_ok(a, b, r)) return r;
+  return b < 0 ? INT64_MIN : INT64_MAX;
+}
+
 /// Blocks template argument deduction (std::type_identity of C++20).
 template <class T>
 struct identity {

@@ -3,10 +3,12 @@
 /// its value. Backends add their own checks (device pointers, supported head dims) after these.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -22,31 +24,30 @@ namespace detail {
 
 inline std::string str(index_t v) { return std::to_string(v); }
 
-/// a * b, or false when it overflows int64 (both non-negative).
-inline bool mul_ok(index_t a, index_t b, index_t& out) {
-  if (a != 0 && b > INT64_MAX / a) return false;
-  out = a * b;
-  return true;
-}
-
 /// True when [p, p + bytes) does not wrap around the end of the address space.
 inline bool fits_address_space(const void* p, index_t bytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   return static_cast<std::uintptr_t>(bytes) <= std::numeric_limits<std::uintptr_t>::max() - a;
 }
 
-/// A double as `%g` writes it ("1e+300", "0.5"), for messages.
+/// A double in its shortest form that reads back as the same value ("-1e-300", "0.1", "1e+300", "nan", "inf"),
+/// for messages.
 inline std::string str_double(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
+  if (std::isnan(v)) return std::signbit(v) ? "-nan" : "nan";
+  if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+  char buf[32];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
 }
 
-/// Checks one operand view against the extents the problem implies.
+/// Checks one operand view against the extents the problem implies. A view with a zero extent holds no element:
+/// its data pointer may be null.
 template <class T>
 status check_operand(const char* name, const tensor_ref<T>& t, dims4 want) {
   const std::string n = name;
-  if (t.data == nullptr) return status::invalid(n + ".data is null");
   const index_t got[4] = {t.dims.b, t.dims.h, t.dims.s, t.dims.d};
   const index_t exp[4] = {want.b, want.h, want.s, want.d};
   const char* field[4] = {"b", "h", "s", "d"};
@@ -55,11 +56,14 @@ status check_operand(const char* name, const tensor_ref<T>& t, dims4 want) {
     if (got[i] != exp[i])
       return status::invalid(n + ".dims." + field[i] + " is " + str(got[i]) + " but the problem's " + from[i] +
                              " implies " + str(exp[i]));
+  const bool empty = t.dims.b == 0 || t.dims.h == 0 || t.dims.s == 0 || t.dims.d == 0;
+  if (t.data == nullptr && !empty) return status::invalid(n + ".data is null");
   if (t.stride.d != 1)
     return status::invalid(n + ".stride.d is " + str(t.stride.d) + "; the head dimension must be contiguous (stride 1)");
   const index_t s[3] = {t.stride.b, t.stride.h, t.stride.s};
   for (int i = 0; i < 3; ++i)
     if (s[i] < 0) return status::invalid(n + ".stride." + field[i] + " is " + str(s[i]) + "; strides must be >= 0");
+  if (empty) return {};
   // The largest element offset must be representable.
   index_t total = 0, part = 0;
   const index_t ext[3] = {t.dims.b - 1, t.dims.h - 1, t.dims.s - 1};
@@ -84,24 +88,75 @@ inline bool overlaps(const void* a, index_t na, const void* b, index_t nb) {
   return pa < pb + static_cast<std::uintptr_t>(nb) && pb < pa + static_cast<std::uintptr_t>(na);
 }
 
-/// True when no two distinct (b, h, s, d) indices of `t` address the same element.
-template <class T>
-bool rows_disjoint(const tensor_ref<T>& t) {
-  // Sort the three outer axes by stride; each must step past everything the inner axes cover.
-  index_t ext[3] = {t.dims.b, t.dims.h, t.dims.s}, st[3] = {t.stride.b, t.stride.h, t.stride.s};
-  for (int i = 0; i < 3; ++i)
-    for (int j = i + 1; j < 3; ++j)
-      if (st[j] < st[i] || (st[j] == st[i] && ext[j] < ext[i])) {
-        std::swap(st[i], st[j]);
-        std::swap(ext[i], ext[j]);
-      }
-  index_t covered = t.dims.d;  // elements spanned by the inner axes
-  for (int i = 0; i < 3; ++i) {
-    if (ext[i] <= 1) continue;
-    if (st[i] < covered) return false;
-    covered = st[i] * (ext[i] - 1) + covered;
+/// min |x·s + r| over the integers x with |x| <= n (x != 0 when `nonzero`); s >= 0, n >= 0, |r| <= INT64_MAX.
+/// Every candidate x has the sign opposite to r's, so x·s + r cannot overflow when |x·s| and |r| fit.
+inline index_t min_abs_affine(index_t s, index_t n, index_t r, bool nonzero) {
+  if (r < 0) r = -r;  // |x·s − r| over x equals |(−x)·s + r|: the same set, mirrored
+  index_t best = INT64_MAX;
+  const auto consider = [&](index_t x) {
+    if (x < -n || x > 0 || (nonzero && x == 0)) return;
+    const index_t val = r + x * s;  // r >= 0, x·s <= 0
+    best = std::min(best, val < 0 ? -val : val);
+  };
+  if (s == 0) {
+    if (!nonzero) return r;
+    return n > 0 ? r : INT64_MAX;
   }
-  return true;
+  const index_t q = r / s;
+  consider(-std::min(q, n));
+  consider(-std::min(q + (r % s != 0), n));
+  consider(-1);
+  consider(0);
+  return best;
+}
+
+/// Whether the rows of a view are pairwise disjoint (every two distinct (b, h, s) rows at least d elements apart),
+/// share memory, or could not be decided (see rows_disjoint).
+enum class rows_overlap { disjoint, shared, unproven };
+
+/// Exact test of whether two distinct rows of `t` share an element. Rows (b, h, s) start at b·sb + h·sh + s·ss
+/// and hold d contiguous elements; they are disjoint iff every non-zero difference vector (x, y, z) with
+/// |x| < B, |y| < H, |z| < S gives |x·sb + y·sh + z·ss| >= d. First the quick sufficient test (each outer stride
+/// steps past everything the inner axes cover, the layouts of bhsd / bshd and their slices); when it fails, the
+/// exact search: the axis with the most rows is minimised in closed form for every difference of the other two
+/// (at most 2^22 pairs); beyond that the answer is `unproven`, which attend() refuses.
+/// Preconditions: check_operand passed (non-negative strides, offsets within int64).
+template <class T>
+rows_overlap rows_disjoint(const tensor_ref<T>& t) {
+  index_t ext[3] = {t.dims.b, t.dims.h, t.dims.s}, st[3] = {t.stride.b, t.stride.h, t.stride.s};
+  if (ext[0] == 0 || ext[1] == 0 || ext[2] == 0 || t.dims.d == 0) return rows_overlap::disjoint;
+  {
+    index_t e[3] = {ext[0], ext[1], ext[2]}, s[3] = {st[0], st[1], st[2]};
+    for (int i = 0; i < 3; ++i)
+      for (int j = i + 1; j < 3; ++j)
+        if (s[j] < s[i] || (s[j] == s[i] && e[j] < e[i])) {
+          std::swap(s[i], s[j]);
+          std::swap(e[i], e[j]);
+        }
+    index_t covered = t.dims.d;  // elements spanned by the inner axes
+    bool nested = true;
+    for (int i = 0; i < 3 && nested; ++i) {
+      if (e[i] <= 1) continue;
+      if (s[i] < covered) nested = false;
+      else covered = s[i] * (e[i] - 1) + covered;
+    }
+    if (nested) return rows_overlap::disjoint;
+  }
+  // Axis 0 becomes the one with the most rows (closed form); axes 1 and 2 are enumerated.
+  int big = 0;
+  for (int i = 1; i < 3; ++i)
+    if (ext[i] > ext[big]) big = i;
+  std::swap(ext[0], ext[big]);
+  std::swap(st[0], st[big]);
+  const index_t pairs_limit = index_t(1) << 22;
+  if (ext[1] > pairs_limit / (2 * ext[2] - 1)) return rows_overlap::unproven;
+  // (y, z) and (−y, −z) give the same |difference|: y >= 0 only, and for y = 0, z >= 0 only.
+  for (index_t y = 0; y < ext[1]; ++y)
+    for (index_t z = y == 0 ? 0 : -(ext[2] - 1); z < ext[2]; ++z) {
+      const index_t r = y * st[1] + z * st[2];  // both terms within the view's validated span
+      if (min_abs_affine(st[0], ext[0] - 1, r, y == 0 && z == 0) < t.dims.d) return rows_overlap::shared;
+    }
+  return rows_overlap::disjoint;
 }
 
 inline status check_mask(const dense&) { return {}; }
@@ -139,21 +194,30 @@ status check_scale(const problem& p) {
 
 }  // namespace detail
 
-/// Checks the problem alone: positive sizes, heads divisible by heads_kv, head_dim bound, scale.
+/// Longest seq_q or seq_kv any kernel accepts (2^48): every index the kernels derive from a sequence length
+/// (tile counts, padded panels, key chunks) then stays far inside int64.
+inline constexpr index_t max_seq_len = index_t(1) << 48;
+
+/// Checks the problem alone: non-negative sizes (batch, heads, seq_q or seq_kv may be 0: see attend), head_dim
+/// in [1, max_head_dim], heads divisible by heads_kv, element counts within int64, scale.
 inline status validate(const problem& p) {
   using detail::str;
   const index_t v[6] = {p.batch, p.heads, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim};
   const char* n[6] = {"batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim"};
   for (int i = 0; i < 6; ++i)
-    if (v[i] <= 0) return status::invalid(std::string("problem.") + n[i] + " is " + str(v[i]) + "; it must be positive");
-  if (p.heads % p.heads_kv != 0)
+    if (v[i] < 0) return status::invalid(std::string("problem.") + n[i] + " is " + str(v[i]) + "; it must be >= 0");
+  if (p.head_dim == 0) return status::invalid("problem.head_dim is 0; it must be positive");
+  if (p.heads_kv == 0 && p.heads > 0)
+    return status::invalid("problem.heads_kv is 0; it must be positive when problem.heads (" + str(p.heads) +
+                           ") is");
+  if (p.heads_kv > 0 && p.heads % p.heads_kv != 0)
     return status::invalid("problem.heads (" + str(p.heads) + ") is not a multiple of problem.heads_kv (" +
                            str(p.heads_kv) + ")");
   if (p.head_dim > max_head_dim)
     return status::invalid("problem.head_dim is " + str(p.head_dim) + "; the largest supported is " +
                            str(max_head_dim));
   if (p.scale && !(std::isfinite(*p.scale) && *p.scale > 0))
-    return status::invalid("problem.scale is " + std::to_string(*p.scale) + "; it must be finite and positive");
+    return status::invalid("problem.scale is " + detail::str_double(*p.scale) + "; it must be finite and positive");
   index_t n_q = 0, n_kv = 0;
   if (!detail::mul_ok(p.batch, p.heads, n_q) || !detail::mul_ok(n_q, p.seq_q, n_q) ||
       !detail::mul_ok(n_q, p.head_dim, n_q) || !detail::mul_ok(p.batch, p.heads_kv, n_kv) ||
@@ -163,7 +227,8 @@ inline status validate(const problem& p) {
 }
 
 /// Checks a whole call: the problem, the four views (pointers, extents, unit head-dim stride, non-negative
-/// strides), the mask, that O has no two rows on the same memory, and that O and lse overlap no input.
+/// strides), the mask, that O has no two rows on the same memory, that O and lse overlap no input, and the
+/// sequence lengths (at most max_seq_len).
 /// Returns the first failure found; nothing is read or written.
 template <class T, class Mask>
 status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
@@ -185,7 +250,13 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
         !detail::fits_address_space(lse, lse_bytes))
       return status::invalid("lse: " + detail::str(p.lse_size()) + " floats do not fit in the address space");
   }
-  if (!detail::rows_disjoint(o)) return status::invalid("o: its strides make distinct rows share memory");
+  switch (detail::rows_disjoint(o)) {
+    case detail::rows_overlap::disjoint: break;
+    case detail::rows_overlap::shared: return status::invalid("o: its strides make distinct rows share memory");
+    case detail::rows_overlap::unproven:
+      return status::invalid("o: its strides are not nested (some outer stride is smaller than what the inner axes "
+                             "span) and its rows are too many to prove exactly that none share memory");
+  }
   const index_t bytes_o = span_elements(o) * static_cast<index_t>(sizeof(T));
   const tensor_ref<const T>* in[3] = {&q, &k, &v};
   const char* in_name[3] = {"q", "k", "v"};
@@ -197,6 +268,10 @@ status validate(const problem& p, const tensor_ref<const T>& q, const tensor_ref
       return status::invalid(std::string("lse overlaps ") + in_name[i]);
   }
   if (lse && detail::overlaps(lse, p.lse_size() * index_t(sizeof(float)), o.data, bytes_o)) return status::invalid("lse overlaps o");
+  if (p.seq_q > max_seq_len)
+    return status::invalid("problem.seq_q is " + detail::str(p.seq_q) + "; the longest supported is 2^48");
+  if (p.seq_kv > max_seq_len)
+    return status::invalid("problem.seq_kv is " + detail::str(p.seq_kv) + "; the longest supported is 2^48");
   return {};
 }
 

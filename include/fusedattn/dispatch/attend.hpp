@@ -14,6 +14,8 @@
 #include "../kernels/mask.hpp"
 #include "../kernels/flash.hpp"
 #include "../kernels/naive.hpp"
+#include "../kernels/no_keys.hpp"
+#include "plan.hpp"
 #include "policy.hpp"
 
 #if FUSEDATTN_WITH_CUDA
@@ -25,34 +27,16 @@
 
 namespace fusedattn {
 
-/// A mask chosen at run time.
-using any_mask = std::variant<dense, causal, window, block_sparse>;
-
 namespace detail {
-
-/// CPU policies given device memory: detectable only where the CUDA backend is compiled in (an nvcc translation
-/// unit), where cudaPointerGetAttributes tells device memory from host memory; elsewhere there is nothing to ask.
-template <class T>
-status check_host_memory(const tensor_ref<const T>& q, const tensor_ref<const T>& k, const tensor_ref<const T>& v,
-                         const tensor_ref<T>& o, const float* lse) {
-#if FUSEDATTN_WITH_CUDA
-  const std::pair<const void*, const char*> operands[] = {{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
-                                                          {o.data, "o"}, {lse, "lse"}};
-  for (const auto& [ptr, name] : operands)
-    if (status st = cuda_backend::check_host_pointer(ptr, name); !st) return st;
-#else
-  (void)q, (void)k, (void)v, (void)o, (void)lse;
-#endif
-  return {};
-}
 
 template <class T, class Bound>
 status run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<const T>& q,
            const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
            float* lse) {
-  if (pol.threads <= 0)
-    return status::invalid("policy.threads is " + std::to_string(pol.threads) + "; it must be >= 1");
-  if (status st = check_host_memory(q, k, v, o, lse); !st) return st;
+  // The plan's checks are attend's (host memory, absurd scratch sizes); zero extents run no kernel.
+  if (status st = plan_run(pol, p, q, k, v, o, mask, lse).st; !st) return st;
+  if (nothing_to_compute(p)) return {};
+  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse);
   return kernels::naive_attention(p, q, k, v, o, mask, lse, pol.threads);
 }
 
@@ -60,7 +44,9 @@ template <class Arch, class T, class Bound>
 status run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<const T>& q,
            const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask,
            float* lse) {
-  if (status st = check_host_memory(q, k, v, o, lse); !st) return st;
+  if (status st = plan_run(pol, p, q, k, v, o, mask, lse).st; !st) return st;
+  if (nothing_to_compute(p)) return {};
+  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse);
   return kernels::flash_attention<T, Arch>(p, q, k, v, o, mask, lse, pol.threads, pol.tiles);
 }
 
@@ -93,15 +79,25 @@ status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, co
 /// per (batch, head, query row).
 ///
 /// @param pol   where to run: policy::cpu_naive{}, policy::cpu<Arch>{}, policy::cuda{stream}, ...
-/// @param p     sizes and scale; heads must be a multiple of heads_kv (GQA / MQA).
+/// @param p     sizes and scale; heads must be a multiple of heads_kv (GQA / MQA). batch, heads, seq_q and seq_kv
+///              may be 0: with batch, heads or seq_q 0 there is nothing to write (ok, nothing written; the views
+///              of no element may be null); with seq_kv 0 every row sees no key (below).
 /// @param q     (batch, heads, seq_q, head_dim) view; k, v: (batch, heads_kv, seq_kv, head_dim) views.
 ///              Any non-negative strides; the head_dim stride must be 1.
-/// @param o     (batch, heads, seq_q, head_dim) output view; must not overlap q, k, v or itself.
+/// @param o     (batch, heads, seq_q, head_dim) output view; must not overlap q, k, v or itself (rows may
+///              interleave as long as no element is shared).
 /// @param mask  dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or an any_mask.
 /// @param lse   optional output of batch·heads·seq_q floats laid out [b][h][i], natural log; nullptr for none.
-///              A query row that sees no key gets O = 0 and lse = −inf.
-/// The CPU kernels run with subnormals flushed to zero (the caller's floating-point mode is restored), and a NaN
-/// in an input reaches only the outputs that depend on it: docs/design.md, "Numerics".
+///
+/// The numerical contract, the same on every backend and kernel (docs/design.md, "Numerics"):
+///   - NaN and ±inf in an input reach only the outputs that depend on it: a key j that query row i may not see
+///     (masked, or outside the causal / window band, or in an unlisted block) never touches row i's O or lse;
+///   - masked probabilities never multiply V: an infinite or NaN V row reaches only the rows that see its key
+///     (element c of V row j reaches element c of those rows' O; their lse is unaffected);
+///   - a row that sees no key gives O = 0 and lse = −inf (never NaN);
+///   - a NaN in a row's logits (from its Q row or from the K row of a key it sees) makes that row's O and lse NaN.
+/// The CPU kernels run with subnormals flushed to zero (the caller's floating-point mode is restored).
+/// `fa::plan` with the same arguments tells which kernel this call runs and its scratch memory, without running it.
 /// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a
 ///         backend not compiled in, errc::out_of_memory when scratch cannot be allocated (nothing written).
 template <class Policy, class T, class Mask = dense>

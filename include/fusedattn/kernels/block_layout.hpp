@@ -33,18 +33,21 @@ struct block_geometry {
   index_t batch = 1;     ///< 1: shared by every batch entry; else one pattern per batch entry
   index_t heads = 1;     ///< 1: shared by every head; else one pattern per head
 
-  /// ceil(seq_q / block_q): q-block rows per pattern (0 for a non-positive block size).
-  index_t n_q_blocks() const { return block_q > 0 ? (seq_q + block_q - 1) / block_q : 0; }
-  /// ceil(seq_kv / block_kv): kv-block columns (0 for a non-positive block size).
-  index_t n_kv_blocks() const { return block_kv > 0 ? (seq_kv + block_kv - 1) / block_kv : 0; }
-  /// Number of patterns, batch · heads.
-  index_t patterns() const { return batch * heads; }
-  /// CSR rows: one per (pattern, q-block row).
-  index_t rows() const { return patterns() * n_q_blocks(); }
-  /// Whether the sizes are usable (positive, block indices fit block_index).
+  /// ceil(seq_q / block_q): q-block rows per pattern (0 for a non-positive block size). Never overflows.
+  index_t n_q_blocks() const { return block_q > 0 && seq_q > 0 ? seq_q / block_q + (seq_q % block_q != 0) : 0; }
+  /// ceil(seq_kv / block_kv): kv-block columns (0 for a non-positive block size). Never overflows.
+  index_t n_kv_blocks() const {
+    return block_kv > 0 && seq_kv > 0 ? seq_kv / block_kv + (seq_kv % block_kv != 0) : 0;
+  }
+  /// Number of patterns, batch · heads (saturated at INT64_MAX).
+  index_t patterns() const { return detail::mul_sat(batch, heads); }
+  /// CSR rows: one per (pattern, q-block row) (saturated at INT64_MAX).
+  index_t rows() const { return detail::mul_sat(patterns(), n_q_blocks()); }
+  /// Whether the sizes are usable: sequence lengths >= 0, positive block sizes and pattern counts, block indices
+  /// that fit block_index, and a row count (and its offsets array) that fits int64.
   bool usable() const {
-    return seq_q > 0 && seq_kv > 0 && block_q > 0 && block_kv > 0 && batch > 0 && heads > 0 &&
-           n_kv_blocks() <= std::numeric_limits<block_index>::max();
+    return seq_q >= 0 && seq_kv >= 0 && block_q > 0 && block_kv > 0 && batch > 0 && heads > 0 &&
+           n_kv_blocks() <= std::numeric_limits<block_index>::max() && rows() < INT64_MAX;
   }
 };
 
@@ -62,6 +65,9 @@ struct block_layout_view {
   index_t n_run_offsets = 0;
   const block_index* runs = nullptr;     ///< optional: 2 · run_offsets[rows()] entries, [first, last + 1) pairs
   index_t n_runs = 0;                    ///< number of runs (pairs)
+  /// Set by a builder that could not build the layout (e.g. a block mask of the wrong size): why. Validation
+  /// reports it as the layout's error. Null for a well-built layout.
+  const char* build_error = nullptr;
 };
 
 /// Always-active blocks on the border of the block matrix, on top of a random budget: the first `left_cols` and the
@@ -113,9 +119,19 @@ class block_layout {
       v.runs = runs_.data();
       v.n_runs = static_cast<index_t>(runs_.size() / 2);
     }
+    if (!build_error_.empty()) v.build_error = build_error_.c_str();
     return v;
   }
   operator block_layout_view() const { return view(); }
+
+  /// Why a builder could not build this layout (empty when it could); attend() rejects such a layout with it.
+  const std::string& build_error() const { return build_error_; }
+  /// A layout with no rows that records why it could not be built.
+  static block_layout failed(const block_geometry& g, std::string why) {
+    block_layout l(g, {}, {});
+    l.build_error_ = std::move(why);
+    return l;
+  }
 
  private:
   /// Merges each row's consecutive indices into runs; skipped (left empty) when the CSR arrays are malformed,
@@ -151,6 +167,7 @@ class block_layout {
   std::vector<block_index> cols_;
   std::vector<index_t> run_offsets_;
   std::vector<block_index> runs_;
+  std::string build_error_;
 };
 
 namespace detail {
@@ -161,14 +178,20 @@ inline status check_layout(const block_layout_view& l) {
   const std::string n = "block_sparse.layout.";
   const auto s = [](index_t v) { return std::to_string(v); };
   const block_geometry& g = l.geometry;
+  if (l.build_error) return status::invalid(n.substr(0, n.size() - 1) + ": " + l.build_error);
   const index_t sizes[6] = {g.seq_q, g.seq_kv, g.block_q, g.block_kv, g.batch, g.heads};
   const char* names[6] = {"seq_q", "seq_kv", "block_q", "block_kv", "batch", "heads"};
   for (int f = 0; f < 6; ++f)
-    if (sizes[f] <= 0) return status::invalid(n + names[f] + " is " + s(sizes[f]) + "; it must be positive");
-  const index_t n_kv = g.n_kv_blocks(), rows = g.rows();
+    if (f < 2 ? sizes[f] < 0 : sizes[f] <= 0)
+      return status::invalid(n + names[f] + " is " + s(sizes[f]) + (f < 2 ? "; it must be >= 0" : "; it must be positive"));
+  const index_t n_kv = g.n_kv_blocks();
   if (n_kv > std::numeric_limits<block_index>::max())
     return status::invalid(n + "block_kv is " + s(g.block_kv) + ": " + s(n_kv) +
                            " kv-blocks do not fit a 32-bit block index");
+  index_t patterns = 0, rows = 0;
+  if (!mul_ok(g.batch, g.heads, patterns) || !mul_ok(patterns, g.n_q_blocks(), rows) || rows == INT64_MAX)
+    return status::invalid(n + "batch x heads x q-block rows (" + s(g.batch) + " x " + s(g.heads) + " x " +
+                           s(g.n_q_blocks()) + ") overflows 64 bits");
   if (l.n_row_offsets != rows + 1)
     return status::invalid(n + "row_offsets has " + s(l.n_row_offsets) + " entries; " + s(g.patterns()) +
                            " pattern(s) x " + s(g.n_q_blocks()) + " q-block rows need " + s(rows + 1));
@@ -267,11 +290,21 @@ inline block_layout dense_layout(const block_geometry& g) {
 
 /// From a dense boolean block mask laid out [pattern][q_block][kv_block] (pattern = b · heads + h), e.g. a
 /// std::vector<bool> or std::vector<std::uint8_t> of g.patterns() · g.n_q_blocks() · g.n_kv_blocks() entries.
-/// A mask of another size gives an empty layout with no rows, which attend() rejects.
+/// A mask of another size gives a layout with no rows whose build_error() says so, which attend() rejects.
 template <class BoolRange>
 block_layout layout_from_block_mask(const block_geometry& g, const BoolRange& mask) {
   const index_t n_q = g.n_q_blocks(), n_kv = g.n_kv_blocks();
-  if (static_cast<index_t>(mask.size()) != g.patterns() * n_q * n_kv) return block_layout(g, {}, {});
+  const auto s = [](index_t v) { return std::to_string(v); };
+  index_t need = 0;
+  const bool fits = detail::mul_ok(g.patterns(), n_q, need) && detail::mul_ok(need, n_kv, need) &&
+                    g.patterns() < INT64_MAX;
+  if (!fits)
+    return block_layout::failed(g, "layout_from_block_mask: " + s(g.patterns()) + " pattern(s) x " + s(n_q) +
+                                       " q-block rows x " + s(n_kv) + " kv-block columns overflow 64 bits");
+  if (static_cast<index_t>(mask.size()) != need)
+    return block_layout::failed(g, "layout_from_block_mask: the block mask has " + s(static_cast<index_t>(mask.size())) +
+                                       " entries but " + s(g.patterns()) + " pattern(s) x " + s(n_q) +
+                                       " q-block rows x " + s(n_kv) + " kv-block columns need " + s(need));
   return detail::layout_from_rule(g, [&](index_t pat, index_t qb, index_t kb) {
     return static_cast<bool>(mask[static_cast<std::size_t>((pat * n_q + qb) * n_kv + kb)]);
   });
@@ -283,7 +316,8 @@ block_layout layout_from_block_mask(const block_geometry& g, const BoolRange& ma
 template <class Pred>
 block_layout layout_from_predicate(const block_geometry& g, Pred&& pred) {
   return detail::layout_from_rule(g, [&](index_t, index_t qb, index_t kb) {
-    const index_t q1 = std::min((qb + 1) * g.block_q, g.seq_q), k1 = std::min((kb + 1) * g.block_kv, g.seq_kv);
+    const index_t q1 = std::min(detail::mul_sat(qb + 1, g.block_q), g.seq_q);
+    const index_t k1 = std::min(detail::mul_sat(kb + 1, g.block_kv), g.seq_kv);
     for (index_t i = qb * g.block_q; i < q1; ++i)
       for (index_t j = kb * g.block_kv; j < k1; ++j)
         if (pred(i, j)) return true;
@@ -304,8 +338,8 @@ block_layout layout_from_mask(const block_geometry& g, const Mask& mask) {
                 "for any other rule");
   // The keys rows [q0, q1) of a band may see form one range, kv_range(q0, q1), with no gap inside.
   return detail::layout_from_rule(g, [&](index_t, index_t qb, index_t kb) {
-    const kv_span r = bound.kv_range(qb * g.block_q, std::min((qb + 1) * g.block_q, g.seq_q));
-    return !r.empty() && kb * g.block_kv < r.end && r.begin < (kb + 1) * g.block_kv;
+    const kv_span r = bound.kv_range(qb * g.block_q, std::min(detail::mul_sat(qb + 1, g.block_q), g.seq_q));
+    return !r.empty() && kb * g.block_kv < r.end && r.begin < detail::mul_sat(kb + 1, g.block_kv);
   });
 }
 

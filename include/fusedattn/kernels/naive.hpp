@@ -55,10 +55,14 @@ struct naive_workspace {
 };
 
 /// Bytes the naive kernel allocates per thread: the S×S scores plus Q, K, V and O in the accumulation type.
+/// Saturates at INT64_MAX (never overflows), which fa::plan and attend() report as an absurd size.
 template <class T>
 index_t naive_workspace_bytes(const problem& p) {
-  return static_cast<index_t>(sizeof(accum_t<T>)) *
-         (p.seq_q * p.seq_kv + 2 * p.seq_q * p.head_dim + 2 * p.seq_kv * p.head_dim);
+  using detail::add_sat;
+  using detail::mul_sat;
+  const index_t elements = add_sat(mul_sat(p.seq_q, p.seq_kv),
+                                   mul_sat(2, add_sat(mul_sat(p.seq_q, p.head_dim), mul_sat(p.seq_kv, p.head_dim))));
+  return mul_sat(static_cast<index_t>(sizeof(accum_t<T>)), elements);
 }
 
 /// One (batch, head) of the three-pass pipeline. `ws` is sized by naive_workspace::resize.
@@ -116,7 +120,9 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   }
 }
 
-/// Naive attention over every (batch, head), `threads` of them at a time (OpenMP when available).
+/// Naive attention over every (batch, head), `threads` of them at a time (OpenMP when available), on exactly
+/// min(threads, batch · heads) threads whatever the build defines (EIGEN_DONT_PARALLELIZE or not); results are
+/// bitwise the same for every thread count.
 /// Preconditions: the call was validated (see validate.hpp). Allocates naive_workspace_bytes per thread and
 /// reports out_of_memory, with nothing written, when that fails.
 template <class T, class Mask>
@@ -134,17 +140,26 @@ status naive_attention(const problem& p, const tensor_ref<const T>& q, const ten
                                      std::to_string(p.seq_kv) + " score matrix per thread"};
   }
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(n_threads) schedule(static)
+#pragma omp parallel num_threads(n_threads)
 #endif
-  for (index_t bh = 0; bh < heads_total; ++bh) {
-    // Subnormals flushed to zero while this head is computed, on whichever thread runs it (fp_env.hpp).
+  {
+    // Exactly n_threads threads: Eigen opens an OpenMP team of its own inside each GEMM when it sees one thread
+    // (a team of 1, or no team) unless EIGEN_DONT_PARALLELIZE is defined. This task's nested parallelism is
+    // switched off here (both ICVs are per task: the caller's settings are untouched), so every GEMM runs on the
+    // thread that computes its head, with the same blocking for any thread count: results are bitwise the same.
+#if defined(_OPENMP)
+    omp_set_max_active_levels(omp_get_active_level());
+    omp_set_num_threads(1);
+#endif
+    // Subnormals flushed to zero on every worker thread, its FP mode restored on exit (fp_env.hpp).
     const cpu::flush_denormals_scope flush_denormals;
 #if defined(_OPENMP)
     auto& w = ws[static_cast<std::size_t>(omp_get_thread_num())];
+#pragma omp for schedule(static)
 #else
     auto& w = ws[0];
 #endif
-    naive_head(p, q, k, v, o, mask, lse, bh / p.heads, bh % p.heads, w);
+    for (index_t bh = 0; bh < heads_total; ++bh) naive_head(p, q, k, v, o, mask, lse, bh / p.heads, bh % p.heads, w);
   }
   return {};
 }
