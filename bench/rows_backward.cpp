@@ -3,19 +3,23 @@
 // bytes as docs/roofline.md, "Backward pass", models them.
 #include "rows.hpp"
 
+#include <cmath>
+
 namespace fusedattn::bench {
 namespace {
 
-/// Modelled traffic of the CPU backward pass: Q, K, V, O, dO read and dQ, dK, dV written once (compulsory), plus
-/// per visited (q tile, kv tile) pair the Q and dO tiles re-read (storage type) and the partial dQ rows read and
-/// written (accumulation type); K and V stay in cache for the kv tile's whole column walk.
+/// Modelled traffic of the CPU backward pass (docs/roofline.md, "Backward pass"): Q, K, V, O, dO read and dQ, dK,
+/// dV written once (compulsory), plus per visited (q tile, kv tile) pair the packed Q and dO tiles read and the
+/// partial dQ rows read and written, all in the accumulation type; K and V stay in cache for the kv tile's whole
+/// column walk.
 template <class T>
 double backward_bytes(const problem& p, double density) {
   using Acc = accum_t<T>;
-  const double kv_tiles = static_cast<double>(p.seq_kv) / static_cast<double>(cpu::backward_kv_tile_keys(p.head_dim));
-  const double rows = static_cast<double>(p.batch * p.heads * p.seq_q) * static_cast<double>(p.head_dim);
+  const double kv_tiles = std::ceil(static_cast<double>(p.seq_kv) /
+                                    static_cast<double>(cpu::backward_kv_tile_keys(p.head_dim)));
+  const double elements = static_cast<double>(p.batch * p.heads * p.seq_q) * static_cast<double>(p.head_dim);
   const double compulsory = 2.0 * cost::compulsory_bytes(p, sizeof(T));
-  return compulsory + density * kv_tiles * rows * (2.0 * sizeof(T) + 2.0 * sizeof(Acc));
+  return compulsory + density * kv_tiles * elements * 4.0 * sizeof(Acc);
 }
 
 template <class T>
