@@ -30,6 +30,7 @@ struct aclOpExecutor {
   std::string name;
   std::uint64_t workspace = 0;
   std::function<void()> run;
+  bool repeatable = false;
 };
 
 namespace fake_cann {
@@ -322,6 +323,18 @@ aclScalar* aclCreateScalar(void* value, aclDataType dataType) {
 aclnnStatus aclDestroyScalar(const aclScalar* scalar) {
   delete scalar;
   --g_objects;
+  return ACL_SUCCESS;
+}
+aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
+  if (executor == nullptr) return fail("aclSetAclOpExecutorRepeatable: null executor", 561103);
+  executor->repeatable = true;
+  return ACL_SUCCESS;
+}
+aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor) {
+  if (executor == nullptr || !executor->repeatable)
+    return fail("aclDestroyAclOpExecutor: the executor is not repeatable", 561103);
+  delete executor;
+  --g_executors;
   return ACL_SUCCESS;
 }
 aclTensorList* aclCreateTensorList(const aclTensor* const* value, uint64_t size) {

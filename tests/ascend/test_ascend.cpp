@@ -339,6 +339,7 @@ fa::status call_and_check_untouched_on_error(const fa::problem& p, const fa::any
     CHECK(lse == std::vector<float>(lse.size(), 5.0f));
   }
   CHECK(fake_cann::live_objects() == 0);
+  CHECK(fake_cann::pending_executors() == 0);
   CHECK(fake_cann::live_allocations() <= allocations + 1);
   return st;
 }

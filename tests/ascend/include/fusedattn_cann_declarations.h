@@ -8,7 +8,8 @@
 ///     (the same text in cann/ops-transformer attention/flash_attention_score/docs/aclnnFlashAttentionScore.md)
 ///   sparseMode values and their masks: cann/ops-transformer docs/zh/context/sparse_mode参数说明.md
 ///   aclnnIncreFlashAttentionV4: cann/ops-transformer attention/incre_flash_attention/docs/aclnnIncreFlashAttentionV4.md
-///   aclCreateTensor, aclDestroyTensor, aclCreateIntArray, aclCreateScalar, aclCreateTensorList (and Destroy):
+///   aclCreateTensor, aclDestroyTensor, aclCreateIntArray, aclCreateScalar, aclCreateTensorList (and Destroy),
+///   aclSetAclOpExecutorRepeatable, aclDestroyAclOpExecutor:
 ///     document/detail/zh/canncommercial/800/apiref/aolapi/operatorlist_00019.html (and the pages after it)
 ///   aclnnLog, aclnnInplaceAdd, aclnnInplaceZero, aclnnInplaceFillScalar: the aclnn math operator pages of the same
 ///     reference (aclnnop/aclnn_log.h, aclnn_add.h, aclnn_zero.h, aclnn_fill_scalar.h)
@@ -90,6 +91,9 @@ aclIntArray* aclCreateIntArray(const int64_t* value, uint64_t size);
 aclnnStatus aclDestroyIntArray(const aclIntArray* array);
 aclScalar* aclCreateScalar(void* value, aclDataType dataType);
 aclnnStatus aclDestroyScalar(const aclScalar* scalar);
+/// An executor that is never launched is released by making it repeatable and destroying it.
+aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor);
+aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor);
 /// The list owns its tensors: aclDestroyTensorList destroys them too.
 aclTensorList* aclCreateTensorList(const aclTensor* const* value, uint64_t size);
 aclnnStatus aclDestroyTensorList(const aclTensorList* array);

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../../core/plan.hpp"
@@ -26,12 +27,24 @@
 namespace fusedattn {
 namespace ascend_backend {
 
-/// One prepared operator: its executor and workspace, launched later by launch_all.
+/// One prepared operator: its executor and workspace, launched later by launch_all. An executor that is never
+/// launched (a later step of the call failed) is released the documented way: made repeatable, then destroyed.
 struct prepared_op {
   const char* name = nullptr;
   aclnnStatus (*launch)(void*, uint64_t, aclOpExecutor*, aclrtStream) = nullptr;
-  aclOpExecutor* executor = nullptr;
+  aclOpExecutor* executor = nullptr;  ///< null once launched (the launch releases it)
   device_buffer workspace;
+
+  prepared_op() = default;
+  prepared_op(const prepared_op&) = delete;
+  prepared_op& operator=(const prepared_op&) = delete;
+  prepared_op(prepared_op&& o) noexcept
+      : name(o.name), launch(o.launch), executor(std::exchange(o.executor, nullptr)),
+        workspace(std::move(o.workspace)) {}
+  ~prepared_op() {
+    if (executor != nullptr && aclSetAclOpExecutorRepeatable(executor) == ACL_SUCCESS)
+      (void)aclDestroyAclOpExecutor(executor);
+  }
 };
 
 /// The CANN objects of one call, kept until its stream has finished.
@@ -75,7 +88,7 @@ struct call_state {
     prepared_op op;
     op.name = name;
     op.launch = launch;
-    op.executor = executor;
+    op.executor = executor;  // released by op's destructor if the workspace cannot be had
     if (status st = op.workspace.allocate(bytes, name); !st) return st;
     ops.push_back(std::move(op));
     return {};
@@ -83,7 +96,8 @@ struct call_state {
   /// Phase two of every prepared operator, in order, then waits for the stream: the workspaces are freed after.
   status launch_all(aclrtStream stream) {
     for (prepared_op& op : ops) {
-      status st = from_acl(op.launch(op.workspace.get(), op.workspace.bytes(), op.executor, stream), op.name);
+      aclOpExecutor* executor = std::exchange(op.executor, nullptr);
+      status st = from_acl(op.launch(op.workspace.get(), op.workspace.bytes(), executor, stream), op.name);
       if (!st) {
         (void)aclrtSynchronizeStream(stream);  // operators already queued still use their workspaces
         return st;
@@ -97,11 +111,11 @@ struct call_state {
 /// kept for the life of the process.
 inline status compressed_causal_mask(void*& out) {
   static std::mutex mutex;
-  static std::map<std::int32_t, void*> per_device;
+  static auto* const per_device = new std::map<std::int32_t, void*>();  // never destroyed: the masks outlive it
   std::int32_t device = 0;
   if (status st = from_acl(aclrtGetDevice(&device), "aclrtGetDevice"); !st) return st;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = per_device.find(device); it != per_device.end()) {
+  if (auto it = per_device->find(device); it != per_device->end()) {
     out = it->second;
     return {};
   }
@@ -116,7 +130,7 @@ inline status compressed_causal_mask(void*& out) {
       !st)
     return st;
   out = mask.release();
-  per_device[device] = out;
+  (*per_device)[device] = out;
   return {};
 }
 

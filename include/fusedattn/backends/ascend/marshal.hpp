@@ -300,6 +300,10 @@ void plan_mask(call_plan& c, const problem& p, const band_mask& m, const float* 
 template <class T>
 void plan_mask(call_plan& c, const problem& p, const block_sparse_mask& m, const float*) {
   c.block_sparse = true;
+  if (block_mask_bytes(m, p.batch, p.heads) == 0) {
+    c.st = {errc::out_of_memory, "policy::ascend: the full mask of this block_sparse call would exceed 2^63 bytes"};
+    return;
+  }
   c.band.row_begin = 0;
   c.band.row_end = p.seq_q;
   c.band.sparse_mode = sparse_all_mask;
