@@ -24,7 +24,9 @@ namespace kernels {
 /// S/P tile (bq × bkv), the accumulator (bq × dp), three row vectors, and a packed Kᵀ/V cache of one kv head
 /// (2 × seq_kv × d, converted to the accumulation type, padded) — or, when there are fewer kv heads than threads,
 /// one shared packed copy of every kv head instead of the per-thread caches; plus, for the decode split,
-/// b·h·q-tiles·chunks·bq·(dp + 2) partial results. Nothing grows with seq_q × seq_kv.
+/// b·h·q-tiles·chunks·bq·(dp + 2) partial results. Nothing grows with seq_q × seq_kv. (This is the tile loop's
+/// scratch; a decode-shaped call, see flash_attention, takes the decode kernel's much smaller per-thread rows and
+/// its b·h·chunks·(d + 2) partial results instead.)
 template <class T, class Arch = xsimd::default_arch, class Mask = band_mask>
 index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles = {}, int threads = 1) {
   using Acc = accum_t<T>;
@@ -34,7 +36,8 @@ index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles
   return scratch_bytes<Acc, Arch>(p, f, n_threads);
 }
 
-/// flash_attention with K and V from a KV source (kv_source.hpp) that holds p.seq_kv keys for every sequence.
+/// flash_attention (below) with K and V from a KV source (kv_source.hpp) that holds p.seq_kv keys for every
+/// sequence: a strided tensor, or one sequence of a paged cache (attend_paged's tile-loop path).
 template <class T, class Arch, class Mask, class KV>
 status flash_attention_kv(const problem& p, const tensor_ref<const T>& q, const KV& kv, const tensor_ref<T>& o,
                           const Mask& mask, float* lse, int threads, tile_sizes tiles = {}) {
@@ -70,7 +73,6 @@ status flash_attention(const problem& p, const tensor_ref<const T>& q, const ten
                        int threads, tile_sizes tiles = {}) {
   return flash_attention_kv<T, Arch>(p, q, strided_kv<T>{k, v}, o, mask, lse, threads, tiles);
 }
-
 
 }  // namespace kernels
 }  // namespace fusedattn
