@@ -32,6 +32,11 @@
 namespace fa = fusedattn;
 namespace fb = fusedattn::bench;
 
+namespace fusedattn::bench {
+/// The decode rows over a long KV cache, contiguous and paged (rows_decode.cpp).
+void register_decode_rows(const plan& pl);
+}  // namespace fusedattn::bench
+
 namespace {
 
 /// Minimum seconds per row when the user gives no --benchmark_min_time: short enough for the quick set to finish
@@ -119,6 +124,7 @@ int main(int argc, char** argv) {
     fb::register_peer_rows(r);
   }
   fb::register_backward_rows(pl);
+  fb::register_decode_rows(pl);
   benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());
 
   std::ostream& tables = opt.console ? std::cout : std::cerr;
