@@ -75,7 +75,8 @@ def rows_by(doc):
 def timing_section(doc, rows):
     lines = ["## 2. Timings", ""]
     if not rows:
-        return lines + ["Nothing timed: the harness times only a kernel that passes every check.", ""]
+        return lines + ["Nothing timed: a check failed (the harness times only a kernel that passes every check), or "
+                        "the harness ran with --check-only.", ""]
     threads = sorted({t for (_, _, t) in rows})
     seqs = sorted({s for (_, s, _) in rows})
     lines += ["(1, 8, S, 64), f32, dense; median wall time per call (the harness's `--quick` runs time fewer calls). "
