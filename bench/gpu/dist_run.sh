@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Context parallelism on the GPUs of one host (example 13, NCCL version; one MPI process per GPU, MPI only bootstraps
-# NCCL): builds it, checks it against one GPU on the same inputs (2 GPUs, then 4 where there are 4), then benches
+# Context parallelism on the GPUs of one host: tests/dist/test_dist_nccl (one process, a host thread per GPU), then
+# example 13's NCCL version (one MPI process per GPU, MPI only bootstraps NCCL): builds them, checks the example
+# against one GPU on the same inputs (2 GPUs, then 4 where there are 4), then benches
 # causal, 32 heads, head_dim 128, bf16, S 32k-256k: one GPU's time, N GPUs' time, compute alone, communication
 # alone, scaling efficiency (one GPU / (N x N GPUs)) and the communication hidden / exposed. NVLink multicast (NVLS)
 # is left off. Logs, the table and JSON lines go to $OUT (default ./dist-out).
 #   bench/gpu/dist_run.sh            configure and build in build-gpu-dist (needs .deps from shared/device/fetch-deps.sh)
-#   bench/gpu/dist_run.sh BIN_DIR    use a prebuilt example_13_context_parallel_nccl (and the MPI CPU example) in BIN_DIR
+#   bench/gpu/dist_run.sh BIN_DIR    use prebuilt example_13_context_parallel_nccl, example_13_context_parallel and
+#                                    test_dist_nccl, all in BIN_DIR
 #   SEQS=32768,65536 REPS=5 GPU_COUNTS="2 4" pick the sweep.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -18,11 +20,15 @@ if [[ $# -ge 1 ]]; then
   BIN=$1
 else
   cmake -S . -B build-gpu-dist -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-    -DFUSEDATTN_WITH_CUDA=ON -DFUSEDATTN_WITH_MPI=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DFUSEDATTN_BUILD_TESTS=OFF \
+    -DFUSEDATTN_WITH_CUDA=ON -DFUSEDATTN_WITH_MPI=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DFUSEDATTN_BUILD_BENCH=OFF >"$OUT/configure.log" 2>&1 &&
-    cmake --build build-gpu-dist --target example_13_context_parallel_nccl example_13_context_parallel \
+    cmake --build build-gpu-dist --target example_13_context_parallel_nccl example_13_context_parallel test_dist_nccl \
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  BIN=build-gpu-dist/examples/13_context_parallel
+  BIN=build-gpu-dist/bin
+  mkdir -p "$BIN"
+  ln -sf ../examples/13_context_parallel/example_13_context_parallel_nccl "$BIN/"
+  ln -sf ../examples/13_context_parallel/example_13_context_parallel "$BIN/"
+  ln -sf ../tests/dist/test_dist_nccl "$BIN/"
 fi
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
@@ -31,6 +37,9 @@ GPU_COUNTS=${GPU_COUNTS:-$( [[ $gpus -ge 4 ]] && echo "2 4" || echo "2")}
 export NCCL_NVLS_ENABLE=0
 MPIRUN=(mpirun --oversubscribe --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH)
 rc=0
+echo "== tests/dist/test_dist_nccl (one process, every GPU here up to 4)"
+"$BIN/test_dist_nccl" 2>&1 | tee "$OUT/test_dist_nccl.log"
+[[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 if [[ -x $BIN/example_13_context_parallel ]]; then
   echo "== MPI on CPU processes (2 ranks)"
   "${MPIRUN[@]}" -np 2 -x OMP_NUM_THREADS=4 "$BIN/example_13_context_parallel" 2>&1 | tee "$OUT/cpu_check.log" || rc=1

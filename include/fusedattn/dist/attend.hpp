@@ -72,7 +72,9 @@ class host_exec {
     const dims4 d = src.dims;
     const index_t rows = d.b * d.h;
     (void)rows;
+#if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+#endif
     for (index_t bh = 0; bh < rows; ++bh)
       for (index_t i = 0; i < d.s; ++i) {
         const auto* a = src.row(bh / d.h, bh % d.h, i);
@@ -193,12 +195,28 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   acc_t* acc_o = nullptr;
   T* part_o = nullptr;
   float *acc_lse = nullptr, *part_lse = nullptr;
-  status st;
-  if (st = ex.allocate(acc_o, lp.batch * lp.heads * lq * lp.head_dim); !st) return agree(comm, st, fp);
-  if (st = ex.allocate(part_o, lp.batch * lp.heads * lq * lp.head_dim); !st) return agree(comm, st, fp);
-  if (st = ex.allocate(acc_lse, lp.lse_size()); !st) return agree(comm, st, fp);
-  if (st = ex.allocate(part_lse, lp.lse_size()); !st) return agree(comm, st, fp);
-  if (st = ex.fill(acc_lse, lp.lse_size(), -std::numeric_limits<float>::infinity()); !st) return agree(comm, st, fp);
+  // Every buffer first, then one agreement: a rank that cannot allocate must not leave the others in a transfer.
+  T* buf[2] = {nullptr, nullptr};  // ring: the shard computed on and the one arriving
+  T *all = nullptr, *gk = nullptr, *gv = nullptr;  // all-gather: one slot per rank, then K and V in global order
+  status st = ex.allocate(acc_o, lp.batch * lp.heads * lq * lp.head_dim);
+  auto keep = [&st](const status& s) {  // the first failure is the one reported
+    if (st) st = s;
+  };
+  keep(ex.allocate(part_o, lp.batch * lp.heads * lq * lp.head_dim));
+  keep(ex.allocate(acc_lse, lp.lse_size()));
+  keep(ex.allocate(part_lse, lp.lse_size()));
+  if (!gather) {
+    keep(ex.allocate(buf[0], 2 * kv_elems));
+    keep(ex.allocate(buf[1], 2 * kv_elems));
+  } else {
+    keep(ex.allocate(all, index_t(n) * 2 * kv_elems));
+    keep(ex.allocate(gk, g.batch * g.heads_kv * g.seq_kv * g.head_dim));
+    keep(ex.allocate(gv, g.batch * g.heads_kv * g.seq_kv * g.head_dim));
+  }
+  if (status s = agree(comm, st, fp); !s) return s;
+  // From here on a failing step (a copy, a kernel) stops this rank's compute but not its transfers: the others
+  // are waiting for them. The agreement at the end tells everyone. A failing transfer is returned at once.
+  keep(ex.fill(acc_lse, lp.lse_size(), -std::numeric_limits<float>::infinity()));
   const tensor_ref<acc_t> acc = bhsd(acc_o, lp.q_dims());
   const lse_ref<float> acc_l = lse_bhs(acc_lse, lp.q_dims());
 
@@ -244,14 +262,11 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
 
   if (!gather) {
     // Ring: step i computes on the shard of rank r − i while shard r − i − 1 arrives (double buffering).
-    T* buf[2] = {nullptr, nullptr};
-    if (st = ex.allocate(buf[0], 2 * kv_elems); !st) return agree(comm, st, fp);
-    if (st = ex.allocate(buf[1], 2 * kv_elems); !st) return agree(comm, st, fp);
     tensor_ref<T> kd = own_kv_k, vd = own_kv_k;
     kd.data = buf[0];
     vd.data = buf[0] + kv_elems;
-    if (st = ex.copy(k, kd); !st) return agree(comm, st, fp);
-    if (st = ex.copy(v, vd); !st) return agree(comm, st, fp);
+    keep(ex.copy(k, kd));
+    keep(ex.copy(v, vd));
     const index_t half = lq / 2;
     int cur = 0;
     for (int i = 0; i < n; ++i) {
@@ -259,7 +274,7 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
       typename Comm::request req{};
       const bool moving = i + 1 < n && opt.parts.communicate;
       if (moving)
-        if (status s = exchange(buf[cur], buf[1 - cur], req); !s) return agree(comm, s, fp);
+        if (status s = exchange(buf[cur], buf[1 - cur], req); !s) return s;
       const T* kb = buf[cur];
       const T* vb = buf[cur] + kv_elems;
       if (st && opt.parts.compute) {
@@ -279,30 +294,25 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
         }
       }
       if (moving) {
-        if (status s = finish_exchange(req); !s) return agree(comm, s, fp);
+        if (status s = finish_exchange(req); !s) return s;
         cur = 1 - cur;
       }
     }
   } else {
     // All-gather: slot s of `all` receives rank s's packed K/V; then K and V are laid out in global order.
-    T* all = nullptr;
-    if (st = ex.allocate(all, index_t(n) * 2 * kv_elems); !st) return agree(comm, st, fp);
     auto slot = [&](int s) { return all + index_t(s) * 2 * kv_elems; };
     tensor_ref<T> kd = own_kv_k, vd = own_kv_k;
     kd.data = slot(r);
     vd.data = slot(r) + kv_elems;
-    if (st = ex.copy(k, kd); !st) return agree(comm, st, fp);
-    if (st = ex.copy(v, vd); !st) return agree(comm, st, fp);
+    keep(ex.copy(k, kd));
+    keep(ex.copy(v, vd));
     if (opt.parts.communicate)
       for (int i = 0; i + 1 < n; ++i) {
         typename Comm::request req{};
-        if (status s = exchange(slot((r - i + n) % n), slot((r - i - 1 + n) % n), req); !s) return agree(comm, s, fp);
-        if (status s = finish_exchange(req); !s) return agree(comm, s, fp);
+        if (status s = exchange(slot((r - i + n) % n), slot((r - i - 1 + n) % n), req); !s) return s;
+        if (status s = finish_exchange(req); !s) return s;
       }
     const index_t skv = g.seq_kv;
-    T *gk = nullptr, *gv = nullptr;
-    if (st = ex.allocate(gk, g.batch * g.heads_kv * skv * g.head_dim); !st) return agree(comm, st, fp);
-    if (st = ex.allocate(gv, g.batch * g.heads_kv * skv * g.head_dim); !st) return agree(comm, st, fp);
     const tensor_ref<T> gk_view = bhsd(gk, g.kv_dims()), gv_view = bhsd(gv, g.kv_dims());
     const int pieces = opt.layout == layout::zigzag ? 2 : 1;
     for (int s = 0; s < n && st; ++s) {

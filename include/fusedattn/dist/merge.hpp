@@ -132,7 +132,9 @@ status merge_partials(const tensor_ref<TA>& o_a, const lse_ref<const float>& lse
   if (status st = detail::check_lse("lse", lse, d); !st) return st;
   const index_t rows = d.b * d.h;
   (void)threads;  // read by the OpenMP pragma only
+#if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
   for (index_t bh = 0; bh < rows; ++bh) {
     const index_t ib = bh / d.h, ih = bh % d.h;
     const float* la = lse_a.row(ib, ih);
