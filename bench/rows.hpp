@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <variant>
 #include <vector>
@@ -146,6 +147,14 @@ void attention_row(benchmark::State& state, row_spec r) {
   const auto q = bhsd<const T>(x.q.data(), p.q_dims()), k = bhsd<const T>(x.k.data(), p.kv_dims()),
              v = bhsd<const T>(x.v.data(), p.kv_dims());
   const auto o = bhsd(x.o.data(), p.o_dims());
+  // The kernel this group of rows runs (fa::plan), once per kernel and storage type, on stderr.
+  static bool plan_printed = false;
+  if (!plan_printed) {
+    plan_printed = true;
+    const kernel_plan pl = std::visit([&](const auto& m) { return fusedattn::plan(pol, p, q, k, v, o, m); }, mask);
+    std::fprintf(stderr, "plan of the %s %s rows (first: %s): %s\n", model::name, scalar_name<T>(),
+                 row_label(r).c_str(), fusedattn::to_string(pl).c_str());
+  }
   // One untimed call first: it touches the kernel's scratch and the operands once, so that a row timed by a
   // single long iteration does not time first-touch page faults.
   if (const status st = call(q, k, v, o, pol); !st) {

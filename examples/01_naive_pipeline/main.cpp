@@ -44,7 +44,12 @@ int main() {
   }
   const matrix by_hand = scores * vh;                         // step 4: O = P·V  (s × d)
 
-  // --- The library's naive kernel over all 8 heads.
+  // --- The library's naive kernel over all 8 heads (fa::plan: the kernel and scratch, without running it).
+  std::printf("plan: %s\n", fa::to_string(fa::plan(fa::policy::cpu_naive{1}, p, fa::bhsd<const float>(q.data(), p.q_dims()),
+                                                    fa::bhsd<const float>(k.data(), p.kv_dims()),
+                                                    fa::bhsd<const float>(v.data(), p.kv_dims()),
+                                                    fa::bhsd(o.data(), p.o_dims())))
+                                     .c_str());
   const auto t0 = std::chrono::steady_clock::now();
   const fa::status st = fa::attend(fa::policy::cpu_naive{1}, p, fa::bhsd<const float>(q.data(), p.q_dims()),
                                    fa::bhsd<const float>(k.data(), p.kv_dims()),

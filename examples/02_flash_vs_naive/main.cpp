@@ -77,9 +77,13 @@ int main() {
         [&] { st = fa::attend(fa::policy::cpu<>{1}, p, qv, kv, vv, fa::bhsd(o_flash.data(), p.o_dims())); }, 3);
     if (!st) return std::fprintf(stderr, "fusedattn: %s\n", st.what()), 1;
 
-    // Scratch each kernel allocates (one thread): naive holds the seq × seq scores; flash one tile of them.
-    const double naive_bytes = double(fa::kernels::naive_workspace_bytes<float>(p));
-    const double flash_bytes = double(fa::kernels::flash_scratch_bytes<float>(p, fa::bind(fa::dense{}, p)));
+    // Scratch each kernel allocates (one thread), as fa::plan reports it: naive holds the seq × seq scores; flash
+    // one tile of them.
+    const fa::kernel_plan naive_plan = fa::plan(fa::policy::cpu_naive{1}, p, qv, kv, vv, fa::bhsd(o_naive.data(), p.o_dims()));
+    const fa::kernel_plan flash_plan = fa::plan(fa::policy::cpu<>{1}, p, qv, kv, vv, fa::bhsd(o_flash.data(), p.o_dims()));
+    if (seq == 512) std::printf("plans: %s | %s\n", fa::to_string(naive_plan).c_str(), fa::to_string(flash_plan).c_str());
+    const double naive_bytes = double(naive_plan.scratch_bytes);
+    const double flash_bytes = double(flash_plan.scratch_bytes);
     double err_naive = 0, err_flash = 0;
     for (fa::index_t h : {0, 7})
       for (fa::index_t i : {fa::index_t(0), seq / 2, seq - 1}) {

@@ -63,6 +63,10 @@ bool run_and_check(const char* what, const fa::problem& p, const Mask& mask, std
   const std::size_t nkv = static_cast<std::size_t>(p.heads_kv * p.seq_kv * p.head_dim);
   const auto q = random_tensor(nq, rng), k = random_tensor(nkv, rng), v = random_tensor(nkv, rng);
   std::vector<float> o(nq);
+  std::printf("  plan: %s\n", fa::to_string(fa::plan(fa::policy::cpu<>{}, p, fa::bhsd(q.data(), p.q_dims()),
+                                                      fa::bhsd(k.data(), p.kv_dims()), fa::bhsd(v.data(), p.kv_dims()),
+                                                      fa::bhsd(o.data(), p.o_dims()), mask))
+                                       .c_str());
   const fa::status st = fa::attend(fa::policy::cpu<>{}, p, fa::bhsd(q.data(), p.q_dims()),
                                    fa::bhsd(k.data(), p.kv_dims()), fa::bhsd(v.data(), p.kv_dims()),
                                    fa::bhsd(o.data(), p.o_dims()), mask);

@@ -35,6 +35,13 @@ int main() {
     for (float& x : q) x = u(rng);
 
     const fa::problem p{1, heads, heads_kv, /*seq_q*/ 1, /*seq_kv*/ t + 1, d};
+    if (t + 1 == steps)  // the last step: which kernel, and its scratch (the decode split's partial rows included)
+      std::printf("plan of the last step: %s\n",
+                  fa::to_string(fa::plan(fa::policy::cpu<>{}, p, fa::bhsd(q.data(), p.q_dims()),
+                                         fa::strided<const float>(k_cache.data(), p.kv_dims(), cache_strides),
+                                         fa::strided<const float>(v_cache.data(), p.kv_dims(), cache_strides),
+                                         fa::bhsd(o.data(), p.o_dims())))
+                      .c_str());
     const auto t0 = std::chrono::steady_clock::now();
     const fa::status st =
         fa::attend(fa::policy::cpu<>{}, p, fa::bhsd(q.data(), p.q_dims()),

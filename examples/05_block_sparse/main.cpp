@@ -90,6 +90,10 @@ int main() {
   bool ok = true;
   for (double sparsity : {0.0, 0.5, 0.75, 0.9}) {
     const fa::block_layout layout = fa::random_layout(g, sparsity, /*seed*/ 42, frame);
+    if (sparsity == 0.0)
+      std::printf("%9s plan: %s\n", "", fa::to_string(fa::plan(pol, p, qv, kv, vv, fa::bhsd(o.data(), p.o_dims()),
+                                                                 fa::block_sparse{layout}))
+                                          .c_str());
     const double t = median_seconds(
         [&] { st = fa::attend(pol, p, qv, kv, vv, fa::bhsd(o.data(), p.o_dims()), fa::block_sparse{layout}); }, 5);
     if (!st) return std::fprintf(stderr, "fusedattn: %s\n", st.what()), 1;

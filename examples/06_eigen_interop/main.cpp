@@ -31,6 +31,11 @@ int main() {
 
   // The problem: one sequence, 8 heads of 64, causal. The views read the Eigen storage in place.
   const fa::problem p{1, heads, heads, seq, seq, d};
+  std::printf("plan: %s\n", fa::to_string(fa::plan(fa::policy::cpu<>{}, p, fa::bshd<const float>(q.data(), p.q_dims()),
+                                                    fa::bshd<const float>(k.data(), p.kv_dims()),
+                                                    fa::bshd<const float>(v.data(), p.kv_dims()),
+                                                    fa::bshd(o.data(), p.o_dims()), fa::causal{}))
+                                     .c_str());
   const fa::status st = fa::attend(fa::policy::cpu<>{}, p, fa::bshd<const float>(q.data(), p.q_dims()),
                                    fa::bshd<const float>(k.data(), p.kv_dims()),
                                    fa::bshd<const float>(v.data(), p.kv_dims()), fa::bshd(o.data(), p.o_dims()),

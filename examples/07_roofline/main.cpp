@@ -103,6 +103,9 @@ int main() {
       double bytes, seconds;
     };
     fa::status st;
+    std::printf("plans: %s | %s\n",
+                fa::to_string(fa::plan(fa::policy::cpu_naive{1}, p, qv, kv, vv, fa::bhsd(o_naive.data(), p.o_dims()))).c_str(),
+                fa::to_string(fa::plan(fa::policy::cpu<>{1}, p, qv, kv, vv, fa::bhsd(o_flash.data(), p.o_dims()))).c_str());
     const row rows[] = {
         {"naive", fa::cost::naive_bytes(p, sizeof(float), sizeof(float)),
          median_seconds([&] { st = fa::attend(fa::policy::cpu_naive{1}, p, qv, kv, vv, fa::bhsd(o_naive.data(), p.o_dims())); }, 5)},
