@@ -25,6 +25,12 @@ status attend_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<cons
 }
 
 template <class T>
+kernel_plan plan_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                      tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse) {
+  return plan(policy::cuda{nullptr, kernel}, p, q, k, v, o, mask, lse);
+}
+
+template <class T>
 status attend_cuda_uploaded(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
                             tensor_ref<const T> v, tensor_ref<T> o, const block_sparse& mask, float* lse,
                             bool skip_upload) {
@@ -142,6 +148,8 @@ status trim_scratch(std::size_t keep_bytes) { return cuda::trim_scratch(keep_byt
 #define FUSEDATTN_GPU_ENTRY(T)                                                                                 \
   template status attend_cuda<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>, tensor_ref<const T>, \
                                  tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);              \
+  template kernel_plan plan_cuda<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>, tensor_ref<const T>, \
+                                     tensor_ref<const T>, tensor_ref<T>, const any_mask&, float*);              \
   template status attend_cuda_uploaded<T>(policy::cuda_kernel, const problem&, tensor_ref<const T>,              \
                                           tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>,               \
                                           const block_sparse&, float*, bool);                                  \

@@ -46,6 +46,11 @@ status attend_cuda_own_stream(policy::cuda_kernel kernel, const problem& p, tens
                               tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask,
                               float* lse);
 
+/// fa::plan(policy::cuda{nullptr, kernel}, ...) on device pointers: the kernel attend would run, its scratch, why.
+template <class T>
+kernel_plan plan_cuda(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                      tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask, float* lse);
+
 /// attend(policy::cpu_naive{1}, ..., dense{}) compiled by nvcc, i.e. with the backend, which can tell that
 /// device pointers were handed to a CPU policy.
 status attend_cpu_naive(const problem& p, tensor_ref<const float> q, tensor_ref<const float> k,

@@ -78,6 +78,19 @@ inline status flash_fits_mask(const block_sparse_mask& m, index_t head_dim) {
                                  " (its q-tile); block_q is " + std::to_string(m.block_q)};
 }
 
+/// True for a call with nothing to compute (a zero batch, heads, seq_q or seq_kv: attend_empty).
+inline bool empty_call(const problem& p) {
+  return p.batch == 0 || p.heads == 0 || p.seq_q == 0 || p.seq_kv == 0;
+}
+
+/// Why block_sparse{layout} (host arrays) is refused on a stream being captured into a CUDA graph.
+inline status layout_copy_in_capture() {
+  return {errc::unsupported,
+          "block_sparse{layout} on policy::cuda copies the layout from host memory inside the call, which a CUDA "
+          "graph cannot capture (the graph would read the copy's source when it runs, after the call has freed "
+          "it); upload the layout once (cuda::upload) and pass cuda::device_block_sparse"};
+}
+
 /// A copy of a block-sparse mask whose CSR arrays live in device memory: one allocation (freed with `arena`, in
 /// stream order) and one copy of the packed arrays. Refused (errc::unsupported) while `stream` is being captured
 /// into a CUDA graph: the graph would read the copy's source, a buffer of this call, when it runs.
@@ -85,11 +98,7 @@ inline status layout_to_device(const block_sparse_mask& host, scratch_arena& are
                                block_sparse_mask& dev) {
   bool capturing = false;
   if (status st = stream_capturing(stream, capturing); !st) return st;
-  if (capturing)
-    return {errc::unsupported,
-            "block_sparse{layout} on policy::cuda copies the layout from host memory inside the call, which a CUDA "
-            "graph cannot capture (the graph would read the copy's source when it runs, after the call has freed "
-            "it); upload the layout once (cuda::upload) and pass cuda::device_block_sparse"};
+  if (capturing) return layout_copy_in_capture();
   const index_t rows = host.pattern_batch * host.pattern_heads * host.n_q_blocks;
   const packed_layout pk = pack_layout(rows, host.row_offsets, host.cols, host.run_offsets, host.runs);
   unsigned char* d = nullptr;
@@ -102,8 +111,61 @@ inline status layout_to_device(const block_sparse_mask& host, scratch_arena& are
   return {};
 }
 
-/// Runs the flash kernel (flash_applies must have said ok): the Hopper kernel where hopper_flash_ready says yes
-/// (unless `portable`), else the mma.sync kernel.
+/// The flash instantiation a call runs: the mma.sync kernel (its default tile for head_dim), or one of the Hopper
+/// kernel's tiles. choose_flash_route picks it; run_flash launches it and plan_run (plan.cuh) describes it.
+enum class flash_route { mma_sync, hopper_turns_64, hopper_whole_row_64, hopper_64, hopper_128, hopper_96, hopper_256 };
+
+/// The flash route of a call flash_applies accepted: a Hopper tile where hopper_flash_ready says yes (unless
+/// `portable`) and the tile fits the mask, else mma_sync. Errors only when the device cannot be asked.
+template <class Mask>
+status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t stream, bool portable, flash_route& route) {
+  route = flash_route::mma_sync;
+  const bool hopper_head_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
+  if (portable || !hopper_head_dim || !hopper_flash_ready(stream)) return {};
+  if (p.head_dim == 64) {
+    int multiprocessors = 0;
+    if (status st = device_multiprocessors(multiprocessors); !st) return st;
+    route = hopper_takes_turns_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors) ? flash_route::hopper_turns_64
+            : hopper_takes_whole_rows(mask, p.seq_q)                                ? flash_route::hopper_whole_row_64
+                                                                                     : flash_route::hopper_64;
+    return {};
+  }
+  using tile128 = typename hopper_default_tile<128>::type;
+  using tile256 = typename hopper_default_tile<256>::type;
+  if (p.head_dim == 128) route = flash_route::hopper_128;
+  // head_dim 96 on the 128 tile: its tensor maps read columns 96–127 as zeros (launch_flash_hopper), so the
+  // tensor cores do 4/3 of the work, and still run it faster than the portable kernel does.
+  if (p.head_dim == 96 && hopper_fits_mask(mask, tile128::block_m)) route = flash_route::hopper_96;
+  // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a
+  // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
+  if (p.head_dim == 256 && hopper_fits_mask(mask, tile256::block_m)) route = flash_route::hopper_256;
+  return {};
+}
+
+/// `f(Tile{}, hopper)` for a route's tile: `hopper` is std::true_type for a Hopper tile, std::false_type for the
+/// mma.sync tile of head_dim; `otherwise` when mma.sync has no tile for head_dim.
+template <class R, class F>
+R with_route_tile(flash_route route, index_t head_dim, R otherwise, F&& f) {
+  switch (route) {
+    case flash_route::hopper_turns_64: return f(typename hopper_turns_tile<64>::type{}, std::true_type{});
+    case flash_route::hopper_whole_row_64: return f(typename hopper_whole_row_tile<64>::type{}, std::true_type{});
+    case flash_route::hopper_64: return f(typename hopper_default_tile<64>::type{}, std::true_type{});
+    case flash_route::hopper_128:
+    case flash_route::hopper_96: return f(typename hopper_default_tile<128>::type{}, std::true_type{});
+    case flash_route::hopper_256: return f(typename hopper_default_tile<256>::type{}, std::true_type{});
+    case flash_route::mma_sync: break;
+  }
+  return with_default_tile(head_dim, std::move(otherwise), [&](auto tile) { return f(tile, std::false_type{}); });
+}
+
+/// Whether a mask leaves masked keys inside the key tiles flash visits: every mask but a band without limits (no
+/// mask, whose only partial tiles end at seq_kv, past which the kernels read zeros).
+inline bool has_masked_keys(const band_mask& m) {
+  return m.lo != -band_mask::unbounded || m.hi != band_mask::unbounded;
+}
+inline bool has_masked_keys(const block_sparse_mask&) { return true; }
+
+/// Runs the flash kernel (flash_applies must have said ok) on choose_flash_route's route.
 template <class T, class Mask>
 status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                  const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
@@ -115,61 +177,106 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                             int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                             static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     fp.head_dim = int(p.head_dim);
-    const bool hopper_head_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
-    if (!portable && hopper_head_dim && hopper_flash_ready(stream)) {
-      if (p.head_dim == 64) {
-        int multiprocessors = 0;
-        if (status st = device_multiprocessors(multiprocessors); !st) return st;
-        if (hopper_takes_turns_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors))
-          return launch_flash_hopper<E, typename hopper_turns_tile<64>::type>(fp, stream);
-      }
-      if (p.head_dim == 64 && hopper_takes_whole_rows(mask, p.seq_q))
-        return launch_flash_hopper<E, typename hopper_whole_row_tile<64>::type>(fp, stream);
-      if (p.head_dim == 64) return launch_flash_hopper<E, typename hopper_default_tile<64>::type>(fp, stream);
-      using tile128 = typename hopper_default_tile<128>::type;
-      if (p.head_dim == 128) return launch_flash_hopper<E, tile128>(fp, stream);
-      // head_dim 96 on the 128 tile: its tensor maps read columns 96–127 as zeros (launch_flash_hopper), so the
-      // tensor cores do 4/3 of the work, and still run it faster than the portable kernel does.
-      if (p.head_dim == 96 && hopper_fits_mask(mask, tile128::block_m))
-        return launch_flash_hopper<E, tile128>(fp, stream);
-      // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a
-      // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
-      using tile256 = typename hopper_default_tile<256>::type;
-      if (p.head_dim == 256 && hopper_fits_mask(mask, tile256::block_m))
-        return launch_flash_hopper<E, tile256>(fp, stream);
-    }
-    return with_default_tile(p.head_dim, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
-                             [&](auto tile) { return launch_flash<E, decltype(tile)>(fp, stream); });
+    flash_route route = flash_route::mma_sync;
+    if (status st = choose_flash_route(p, mask, stream, portable, route); !st) return st;
+    const status no_tile{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"};
+    const status launched = with_route_tile(route, p.head_dim, no_tile, [&](auto tile, auto hopper) {
+      using Tile = decltype(tile);
+      if constexpr (decltype(hopper)::value) return launch_flash_hopper<E, Tile>(fp, stream);
+      else return launch_flash<E, Tile>(fp, stream);
+    });
+    // The contract guard: where a mask leaves masked keys inside visited tiles (anything but no mask), the repair
+    // pass reads O back and recomputes the q-blocks holding an inf or NaN with plain_pv on tiles whose V has one
+    // (flash_repair_kernel): the tensor-core product cannot keep a masked key's P = 0 from an inf or NaN in its V row.
+    if (!launched || !has_masked_keys(mask)) return launched;
+    return with_default_tile(p.head_dim, no_tile, [&](auto portable) {
+      return launch_flash_repair<E, decltype(portable)>(fp, stream);
+    });
   } else {
     return flash_applies(p, q, k, v, o);  // says why not
   }
 }
 
-/// policy::cuda's attend after validation: device-pointer checks, kernel choice, launch. Asynchronous: an error of
-/// the kernels themselves shows at the next synchronisation of the stream. `mask` is a band, or a block-sparse mask
-/// whose arrays are already in device memory.
-template <class T, class Mask>
-status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
-              const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse) {
+/// ok when every non-null pointer of the call is device memory, else the status naming the first one that is not.
+template <class T>
+status check_device_pointers(const tensor_ref<const T>& q, const tensor_ref<const T>& k, const tensor_ref<const T>& v,
+                             const tensor_ref<T>& o, const float* lse) {
   const void* ptrs[5] = {q.data, k.data, v.data, o.data, lse};
   const char* names[5] = {"q", "k", "v", "o", "lse"};
   for (int i = 0; i < 5; ++i)
     if (ptrs[i] != nullptr)
       if (status st = check_device_pointer(ptrs[i], names[i]); !st) return st;
-  const auto stream = static_cast<cudaStream_t>(pol.stream);
+  return {};
+}
+
+/// What policy::cuda's `kernel` picks for a call (the one choice attend and plan_run share): `flash` true for the
+/// fused kernel; false for the naive pipeline, with `why` saying why (automatic's fallback, or naive asked for). Not
+/// ok when the call is refused (flash or flash_mma_sync where flash does not apply; an invalid kernel value).
+template <class T, class Mask>
+status choose_kernel(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
+                     const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
+                     const Mask& mask, bool& flash, std::string& why) {
+  flash = false;
+  why.clear();
   switch (pol.kernel) {
-    case policy::cuda_kernel::naive: return naive_attention(p, q, k, v, o, mask, lse, stream);
+    case policy::cuda_kernel::naive:
+      why = "policy::cuda{.kernel = naive} asks for the naive pipeline";
+      return {};
     case policy::cuda_kernel::flash:
     case policy::cuda_kernel::flash_mma_sync:
       if (status st = flash_applies(p, q, k, v, o); !st) return st;
       if (status st = flash_fits_mask(mask, p.head_dim); !st) return st;
-      return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
-    case policy::cuda_kernel::automatic:
-      if (flash_applies(p, q, k, v, o) && flash_fits_mask(mask, p.head_dim))
-        return run_flash(p, q, k, v, o, mask, lse, stream);
-      return naive_attention(p, q, k, v, o, mask, lse, stream);
+      flash = true;
+      return {};
+    case policy::cuda_kernel::automatic: {
+      const status applies = flash_applies(p, q, k, v, o);
+      const status st = applies ? flash_fits_mask(mask, p.head_dim) : applies;
+      flash = st.ok();
+      if (!flash) why = std::string("policy::cuda{.kernel = automatic} runs the naive pipeline: ") + st.what();
+      return {};
+    }
   }
   return status::invalid("policy.kernel is not a valid fusedattn::policy::cuda_kernel value");
+}
+
+/// O = 0 and lse = −inf on every row (a call with seq_kv = 0: no row sees a key); one thread per element of O.
+template <class E>
+__global__ void no_key_kernel(const tensor_ref<E> o, float* lse, index_t n) {
+  const dims4 d = o.dims;
+  for (index_t e = blockIdx.x * index_t(blockDim.x) + threadIdx.x; e < n; e += index_t(gridDim.x) * blockDim.x) {
+    const index_t c = e % d.d, s = (e / d.d) % d.s, bh = e / (d.d * d.s);
+    o.row(bh / d.h, bh % d.h, s)[c] = narrow<E>(0.f);
+    if (lse != nullptr && c == 0) lse[e / d.d] = -INFINITY;
+  }
+}
+
+/// Calls with a zero extent: nothing to compute. batch, heads or seq_q = 0: no output (`done`, nothing launched);
+/// seq_kv = 0: every row sees no key, O = 0 and lse = −inf (one fill kernel).
+template <class T>
+status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, cudaStream_t stream, bool& done) {
+  done = empty_call(p);
+  if (!done || p.batch == 0 || p.heads == 0 || p.seq_q == 0) return {};
+  using E = device_t<T>;
+  const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
+  const tensor_ref<E> oe{reinterpret_cast<E*>(o.data), o.dims, o.stride};
+  no_key_kernel<E><<<elementwise_grid(n), 256, 0, stream>>>(oe, lse, n);
+  return last_launch("no_key_kernel");
+}
+
+/// policy::cuda's attend after validation: device-pointer checks, kernel choice (choose_kernel), launch.
+/// Asynchronous: an error of the kernels themselves shows at the next synchronisation of the stream. `mask` is a
+/// band, or a block-sparse mask whose arrays are already in device memory.
+template <class T, class Mask>
+status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+              const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse) {
+  if (status st = check_device_pointers(q, k, v, o, lse); !st) return st;
+  const auto stream = static_cast<cudaStream_t>(pol.stream);
+  bool flash = false, empty = false;
+  std::string why;
+  if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return st;
+  if (status st = attend_empty(p, o, lse, stream, empty); !st || empty) return st;
+  if (flash) return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
+  return naive_attention(p, q, k, v, o, mask, lse, stream);
 }
 
 }  // namespace cuda_backend
@@ -179,6 +286,7 @@ namespace detail {
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const block_sparse_mask& mask, float* lse) {
+  if (cuda_backend::empty_call(p)) return cuda_backend::attend(pol, p, q, k, v, o, mask, lse);  // reads no layout
   const auto stream = static_cast<cudaStream_t>(pol.stream);
   cuda_backend::scratch_arena arena(stream);
   block_sparse_mask on_device;
@@ -219,3 +327,5 @@ status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>&
 }
 }  // namespace detail
 }  // namespace fusedattn
+
+#include "plan.cuh"  // fa::plan for policy::cuda, from the choices above

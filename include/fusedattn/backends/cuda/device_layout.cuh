@@ -116,7 +116,8 @@ class device_block_layout {
 
 /// Validates `host` (as attend validates a block_sparse layout) and copies it into device memory owned by `out`,
 /// on `stream`, waiting for the copy; `host` may be freed afterwards. On failure `out` is left as it was.
-/// @return ok; errc::invalid_argument naming the bad layout field; errc::out_of_memory or a CUDA error's text.
+/// @return ok; errc::invalid_argument naming the bad layout field; errc::out_of_memory when the driver reports
+///         cudaErrorMemoryAllocation, errc::backend_error for any other CUDA failure; both carry the driver's text.
 inline status upload(const block_layout_view& host, device_block_layout& out, cudaStream_t stream) {
   if (status st = detail::check_layout(host); !st) return st;
   const block_geometry& g = host.geometry;
@@ -127,8 +128,10 @@ inline status upload(const block_layout_view& host, device_block_layout& out, cu
   if (e != cudaSuccess) {
     cudaGetLastError();
     fresh.storage_ = nullptr;
-    return {errc::out_of_memory, "cuda::upload: cannot allocate " + std::to_string(pk.bytes.size()) +
-                                     " bytes for the block-sparse layout: " + cudaGetErrorString(e)};
+    // out_of_memory only when the driver says so (cudaErrorMemoryAllocation); any other failure is its own error.
+    const status st = cuda_backend::from_cuda(e, "cudaMalloc");
+    return {st.code(), "cuda::upload: cannot allocate " + std::to_string(pk.bytes.size()) +
+                           " bytes for the block-sparse layout: " + st.what()};
   }
   if (status st = cuda_backend::from_cuda(
           cudaMemcpyAsync(fresh.storage_, pk.bytes.data(), pk.bytes.size(), cudaMemcpyHostToDevice, stream),

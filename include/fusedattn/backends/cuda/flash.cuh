@@ -35,6 +35,7 @@
 #include "head_mask.cuh"
 #include "error.cuh"
 #include "mma.cuh"
+#include "nonfinite.cuh"
 #include "scratch.cuh"
 
 namespace fusedattn {
@@ -131,8 +132,12 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
   }
 }
 
-template <class E, class Tile, class Mask>
-__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
+/// One q-block of the mma.sync kernel: rows [m_block·block_m, ...) of head h, batch and split `bz` (batch · splits +
+/// split); flash_forward_kernel runs one a block, flash_repair_kernel those it finds non-finite. `Guarded` (the
+/// repair kernel only) checks, on each tile with masked keys, whether its V holds an inf or NaN, and if so takes
+/// plain_pv for that tile's P·V; the tensor cores would form 0·inf for a masked key (docs/design.md, Numerics).
+template <class E, class Tile, class Mask, bool Guarded>
+__device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& p, int m_block, int h, int bz) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
   constexpr bool band = std::is_same_v<Mask, band_mask>;
   constexpr float neg_inf = -INFINITY;
@@ -141,9 +146,7 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   E* sk = sq + BM * D;                     // [stages][BN][D] swizzled
   E* sv = sk + Tile::stages * BN * D;      // [stages][BN][D] swizzled
 
-  // Heaviest q-blocks (under a causal mask: the last) start first, so the tail of the grid is short.
-  const int m_block = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
-  const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits, h_kv = h / p.group;
+  const int b = bz / p.splits, split = bz % p.splits, h_kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
 
@@ -251,9 +254,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     // of the keys; one that reaches past the segment's edge also masks the keys outside [tile_begin, tile_end).
     std::uint32_t pk[MT][BN / 8][2];  // P packed to 16 bits as soon as it is known: rows g and g + 8 of each key tile
     const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
+    [[maybe_unused]] bool warp_partial = false;  // some row of this warp has a masked key in the tile (Guarded)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const bool masked = past_edge || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
+      warp_partial = warp_partial || masked;
       if (masked) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
@@ -309,25 +314,33 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     }
 
     // O (16 × D per m-tile) += P (16 × BN) · V (BN × D); the packed P of key tiles 2kk, 2kk + 1 is the A fragment;
-    // one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile.
+    // one transposed ldmatrix_x4 gives the B fragments of two 8-column tiles of V, used by every m-tile. Guarded: a
+    // tile with masked keys whose V holds an inf or NaN takes plain_pv instead.
+    if (Guarded && warp_partial && __any_sync(0xffffffffu, has_nonfinite<E, BN * D>(sv_t, lane, 32))) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      std::uint32_t a[MT][4];
+      for (int mt = 0; mt < MT; ++mt)
+        plain_pv<E, BN, D>(acc[mt], pk[mt], lane,
+                           [&](int j, int c) { return widen(sv_t[swizzle<CH>(j, c / 8) + c % 8]); });
+    } else {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pk[mt][2 * kk][0];
-        a[mt][1] = pk[mt][2 * kk][1];
-        a[mt][2] = pk[mt][2 * kk + 1][0];
-        a[mt][3] = pk[mt][2 * kk + 1][1];
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        std::uint32_t vf[4];
-        ldmatrix_x4_trans(vf, sv_t + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        std::uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
-          mma_16816<E>(acc[mt][2 * dp + 1], a[mt], vf[2], vf[3]);
+          a[mt][0] = pk[mt][2 * kk][0];
+          a[mt][1] = pk[mt][2 * kk][1];
+          a[mt][2] = pk[mt][2 * kk + 1][0];
+          a[mt][3] = pk[mt][2 * kk + 1][1];
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          std::uint32_t vf[4];
+          ldmatrix_x4_trans(vf, sv_t + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<E>(acc[mt][2 * dp], a[mt], vf[0], vf[1]);
+            mma_16816<E>(acc[mt][2 * dp + 1], a[mt], vf[2], vf[3]);
+          }
         }
       }
     }
@@ -335,7 +348,8 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
     __syncthreads();  // the next tile's loads landed; every warp is done with this tile's buffers
   }
 
-  // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key: O = 0, lse = −inf.
+  // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key (l = 0): O = 0, lse = −inf. A NaN logit left
+  // l = NaN (exp2 of it, summed; no later step clears it): O and lse NaN.
   // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks;
   // a split writes its part in f32 straight from the accumulators instead.
   constexpr float ln2 = 0.69314718055994531f;
@@ -347,11 +361,11 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
         float l = l_run[mt][r];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const float inv_l = l == 0.f ? 0.f : 1.f / l;
         const int row = mt_row(mt) + g + 8 * r;
         if (row >= p.seq_q) continue;
         const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
-        if (t == 0) p.lse_part[part_row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+        if (t == 0) p.lse_part[part_row] = l == 0.f ? neg_inf : (m_run[mt][r] + log2f(l)) * ln2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
           *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * t) =
@@ -366,10 +380,10 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
       float l = l_run[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      const float inv_l = l == 0.f ? 0.f : 1.f / l;
       const int row = mt_row(mt) + g + 8 * r;
       if (p.lse != nullptr && t == 0 && row < p.seq_q)
-        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * ln2 : neg_inf;
+        p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = l == 0.f ? neg_inf : (m_run[mt][r] + log2f(l)) * ln2;
       if constexpr (!Tile::q_in_registers) __syncwarp();  // this warp's Q reads are done before O overwrites them
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
@@ -385,27 +399,69 @@ __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flas
   }
 }
 
+/// The mma.sync flash kernel: one q-block a block; the heaviest q-blocks (under a causal mask: the last) start first,
+/// so the tail of the grid is short.
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
+  flash_forward_block<E, Tile, Mask, false>(p, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x),
+                                            blockIdx.y, blockIdx.z);
+}
+
+/// The repair pass after either flash kernel on a call with a mask (run_flash): their tensor-core P·V cannot keep a
+/// masked key's P = 0 from an inf or NaN in that key's V row (0·inf = NaN inside the mma), so a row it contaminated
+/// comes out NaN. This kernel reads O back, q-block by q-block (x, x + gridDim.x, ...; the mma.sync tile's
+/// q-blocks), and recomputes with flash_forward_block<..., Guarded = true> every q-block holding a non-finite value
+/// (the contaminated ones, and those whose rows depend on a non-finite input, which come out the same). On finite
+/// outputs it only reads O; the kernels' own code stays as fast as without the guard.
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads) flash_repair_kernel(const flash_params_t<Mask> p) {
+  constexpr int CH = Tile::chunks;
+  const int q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m, items = q_blocks * p.heads * p.batch;
+  for (int x = blockIdx.x; x < items; x += gridDim.x) {
+    const int m_block = x % q_blocks, h = (x / q_blocks) % p.heads, b = x / (q_blocks * p.heads);
+    const int q0 = m_block * Tile::block_m, rows = q0 + Tile::block_m < p.seq_q ? Tile::block_m : p.seq_q - q0;
+    const E* o_head = static_cast<const E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+    bool bad = false;
+    for (int c = threadIdx.x; c < rows * CH; c += Tile::threads)
+      bad = bad || has_nonfinite<E, 8>(o_head + (q0 + c / CH) * p.o_stride.s + (c % CH) * 8, 0, 1);
+    if (__syncthreads_or(bad)) {
+      flash_forward_block<E, Tile, Mask, true>(p, m_block, h, b);
+      __syncthreads();  // the next q-block's loads overwrite the tiles this one read last
+    }
+  }
+}
+
 /// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim (the tile's: the
 /// parts' row length; columns from p.head_dim on, if set, are not stored):
 ///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
-/// (a row no part saw gets O = 0, lse = −inf).
+/// over the parts that saw a key (lse_s > −inf; the others are skipped, not weighted by 0). A row no part saw gets
+/// O = 0, lse = −inf; a part whose lse is NaN (a NaN logit) makes the row's O and lse NaN.
 template <class E, class Mask>
 __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
   const index_t r = blockIdx.x, rows = index_t(p.batch) * p.heads * p.seq_q;
   const int i = int(r % p.seq_q), h = int((r / p.seq_q) % p.heads), b = int(r / (index_t(p.seq_q) * p.heads));
   float m = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.lse_part[s * rows + r]);
+  bool nan = false;
+  for (int s = 0; s < p.splits; ++s) {
+    const float lse_s = p.lse_part[s * rows + r];
+    m = fmaxf(m, lse_s);
+    nan = nan || isnan(lse_s);
+  }
   float w_sum = 0.f, o = 0.f;
   if (m != -INFINITY)
     for (int s = 0; s < p.splits; ++s) {
-      const float w = __expf(p.lse_part[s * rows + r] - m);
+      const float lse_s = p.lse_part[s * rows + r];
+      if (lse_s == -INFINITY) continue;
+      const float w = __expf(lse_s - m);
       w_sum += w;
       if (threadIdx.x < unsigned(head_dim)) o += w * p.o_part[(s * rows + r) * head_dim + threadIdx.x];
     }
+  const float nan_value = __int_as_float(0x7fffffff);
   E* o_row = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
   const int cols = p.head_dim > 0 ? p.head_dim : head_dim;
-  if (threadIdx.x < unsigned(cols)) o_row[threadIdx.x] = narrow<E>(w_sum > 0.f ? o / w_sum : 0.f);
-  if (p.lse != nullptr && threadIdx.x == 0) p.lse[r] = w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
+  if (threadIdx.x < unsigned(cols)) o_row[threadIdx.x] = narrow<E>(nan ? nan_value : w_sum > 0.f ? o / w_sum : 0.f);
+  if (p.lse != nullptr && threadIdx.x == 0)
+    p.lse[r] = nan ? nan_value : w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
 }
 
 /// Number of key splits for a launch of `blocks` blocks over `kv_tiles` key tiles: split calls that leave the GPU
@@ -420,6 +476,21 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
   if (splits > kv_tiles / min_tiles_per_split) splits = kv_tiles / min_tiles_per_split;
   if (splits > max_splits) splits = max_splits;
   return splits > 1 ? int(splits) : 1;
+}
+
+/// The key splits of a flash launch whose tile has `block_m` query rows and `block_n` keys (flash_splits; block-sparse
+/// masks are never split: a split cuts one segment).
+template <class Mask>
+int flash_split_count(index_t batch, index_t heads, index_t seq_q, index_t seq_kv, int block_m, int block_n,
+                      int multiprocessors) {
+  if (!std::is_same_v<Mask, band_mask>) return 1;
+  const index_t q_blocks = (seq_q + block_m - 1) / block_m;
+  return flash_splits(q_blocks, q_blocks * heads * batch, (seq_kv + block_n - 1) / block_n, multiprocessors);
+}
+
+/// Device scratch of a split-KV launch: each part's O rows of `head_dim` floats and its lse.
+inline std::size_t flash_split_scratch_bytes(int splits, index_t rows, int head_dim) {
+  return splits > 1 ? sizeof(float) * std::size_t(splits) * std::size_t(rows) * (std::size_t(head_dim) + 1) : 0;
 }
 
 /// The tile shape for a head dimension on sm_80 / sm_90 (mma.sync path): one heuristic, chosen among the tiles
@@ -528,11 +599,7 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
   int multiprocessors = 0;
   if (status st = device_multiprocessors(multiprocessors); !st) return st;
   const index_t q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m;
-  // Splits cut one segment: band masks only.
-  p.splits = std::is_same_v<Mask, band_mask>
-                 ? flash_splits(q_blocks, q_blocks * p.heads * p.batch, (p.seq_kv + Tile::block_n - 1) / Tile::block_n,
-                                multiprocessors)
-                 : 1;
+  p.splits = flash_split_count<Mask>(p.batch, p.heads, p.seq_q, p.seq_kv, Tile::block_m, Tile::block_n, multiprocessors);
   p.o_part = p.lse_part = nullptr;
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
   if (p.splits > 1) {
@@ -568,6 +635,26 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
 template <class E, class Tile, class Mask>
 status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
   return launch_flash_kernel<E, Tile>(flash_forward_kernel<E, Tile, Mask>, Tile::smem_elems * int(sizeof(E)), p, stream);
+}
+
+/// Launches flash_repair_kernel for `p` (the Hopper call's parameters; the mma.sync tile `Tile` of its head_dim):
+/// one block per multiprocessor (at most one per q-block), no key splits.
+template <class E, class Tile, class Mask>
+status launch_flash_repair(flash_params_t<Mask> p, cudaStream_t stream) {
+  constexpr int smem = Tile::smem_elems * int(sizeof(E));
+  if (status st = from_cuda(cudaFuncSetAttribute(flash_repair_kernel<E, Tile, Mask>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                            "cudaFuncSetAttribute(flash_repair_kernel)");
+      !st)
+    return st;
+  int multiprocessors = 0;
+  if (status st = device_multiprocessors(multiprocessors); !st) return st;
+  p.splits = 1;
+  p.o_part = p.lse_part = nullptr;
+  const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
+  flash_repair_kernel<E, Tile, Mask>
+      <<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
+  return last_launch("flash_repair_kernel");
 }
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.

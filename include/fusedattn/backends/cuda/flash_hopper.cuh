@@ -240,7 +240,8 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&al
 }
 
 /// The end of one q-block (b, h, split; rows from q0) in this warp: O = acc / l, lse = ln 2 · (m + log2 l); a row
-/// that saw no key gets O = 0, lse = −inf. A split writes its f32 part and lse straight to o_part / lse_part; else
+/// that saw no key (l = 0) gets O = 0, lse = −inf; one whose l is NaN (a NaN logit: exp2 of it joined the sum, and
+/// no later step clears it) O = lse = NaN. A split writes its f32 part and lse straight to o_part / lse_part; else
 /// lse goes to p.lse and O, packed, into the staging tile `stage` (the q-block's Q tile, panel layout, `BM` rows),
 /// which the caller copies out once every warp has staged its rows (store_rows, or a TMA store). 1/l is the
 /// approximate reciprocal (__fdividef, 2 ulp): O is rounded to 16 bits after it.
@@ -256,9 +257,9 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv_l[r] = l > 0.f ? __fdividef(1.f, l) : 0.f;
+    inv_l[r] = l == 0.f ? 0.f : __fdividef(1.f, l);
     const int row = w.row0 + w.g + 8 * r;
-    const float lse = l > 0.f ? (m_run[r] + log2f(l)) * ln2 : -INFINITY;
+    const float lse = l == 0.f ? -INFINITY : (m_run[r] + log2f(l)) * ln2;
     if (p.splits > 1) {
       if (row >= p.seq_q) continue;
       const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;

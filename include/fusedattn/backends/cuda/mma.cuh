@@ -63,12 +63,20 @@ struct mma_type<__half> {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const std::uint32_t*>(&h);
   }
+  /// The value `hi` (0: the low half, 1: the high half) of a pair packed by pack.
+  __device__ __forceinline__ static float unpack(std::uint32_t x, int hi) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(hi ? x >> 16 : x & 0xffffu)));
+  }
 };
 template <>
 struct mma_type<__nv_bfloat16> {
   __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+  /// The value `hi` (0: the low half, 1: the high half) of a pair packed by pack (bf16 is f32's upper half).
+  __device__ __forceinline__ static float unpack(std::uint32_t x, int hi) {
+    return __uint_as_float(hi ? x & 0xffff0000u : x << 16);
   }
 };
 

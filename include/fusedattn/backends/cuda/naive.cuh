@@ -5,9 +5,13 @@
 ///   O = P·V    (cuBLAS strided-batched GEMM), unpacked to O's strides and type.
 /// S is materialised (b·h·s_q·s_kv scores). f16/bf16 multiply on tensor cores with f32 scores and P rounded to the
 /// input type; f32 and f64 run in full precision (no TF32). Not the fused kernel: that is flash.cuh.
+/// Numerics as on the CPU (docs/design.md): the row max propagates NaN, and when V holds an inf or NaN the P·V GEMM's
+/// result is replaced by a plain sum over each row's allowed keys (plain_pv_kernel), so 0·inf never reaches O.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -45,13 +49,16 @@ struct naive_types<double> {
   static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_64F;
 };
 
-/// dst[b][h][s][d] (contiguous) = src(b, h, s, d), converted.
+/// dst[b][h][s][d] (contiguous) = src(b, h, s, d), converted; with `nonfinite`, sets *nonfinite to 1 when a value
+/// is ±inf or NaN.
 template <class Src, class Dst>
-__global__ void pack_kernel(const tensor_ref<const Src> src, Dst* dst, index_t n) {
+__global__ void pack_kernel(const tensor_ref<const Src> src, Dst* dst, index_t n, int* nonfinite = nullptr) {
   const dims4 d = src.dims;
   for (index_t e = blockIdx.x * index_t(blockDim.x) + threadIdx.x; e < n; e += index_t(gridDim.x) * blockDim.x) {
     const index_t c = e % d.d, s = (e / d.d) % d.s, bh = e / (d.d * d.s);
-    dst[e] = narrow<Dst>(widen(src.row(bh / d.h, bh % d.h, s)[c]));
+    const auto x = widen(src.row(bh / d.h, bh % d.h, s)[c]);
+    dst[e] = narrow<Dst>(x);
+    if (nonfinite != nullptr && !isfinite(x)) *nonfinite = 1;
   }
 }
 
@@ -81,8 +88,14 @@ __device__ A block_reduce(A x, Op op, A* scratch) {
   return x;
 }
 
+/// max(a, b) that propagates NaN (fmax drops it, and a row of NaN logits would pass for one that sees no key).
+template <class A>
+__device__ __forceinline__ A max_nan(A a, A b) {
+  return a != a ? a : b != b ? b : fmax(a, b);
+}
+
 /// Row r = (b·heads + h)·s_q + i of S (s_kv scores): p_j = exp(scale·s_j − m) / Σ over allowed j, 0 where the mask
-/// forbids; lse = m + log Σ (−inf and P = 0 for a row that sees no key).
+/// forbids; lse = m + log Σ (−inf and P = 0 for a row that sees no key; NaN P and lse for a row with a NaN logit).
 template <class A, class P, class Mask>
 __global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P* p, float* lse, const Mask all_heads,
                                                                   index_t heads, A scale) {
@@ -95,18 +108,39 @@ __global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P*
   // m = max over allowed j of scale·s_j
   A m = neg_inf;
   for (index_t j = threadIdx.x; j < n; j += softmax_threads)
-    if (mask.allowed(i, j)) m = fmax(m, scale * s_row[j]);
-  m = block_reduce(m, [](A a, A b) { return fmax(a, b); }, scratch);
+    if (mask.allowed(i, j)) m = max_nan(m, scale * s_row[j]);
+  m = block_reduce(m, [](A a, A b) { return max_nan(a, b); }, scratch);
   // l = Σ exp(scale·s_j − m)
   A l = 0;
   if (m != neg_inf)
     for (index_t j = threadIdx.x; j < n; j += softmax_threads)
       if (mask.allowed(i, j)) l += exp(scale * s_row[j] - m);
   l = block_reduce(l, [](A a, A b) { return a + b; }, scratch);
-  const A inv_l = l > 0 ? A(1) / l : A(0);
+  // l = 0: the row sees no key (or only −inf logits); l = NaN: a NaN logit, which P and lse carry on.
+  const A inv_l = l != 0 ? A(1) / l : A(0);
   for (index_t j = threadIdx.x; j < n; j += softmax_threads)
-    p_row[j] = narrow<P>(mask.allowed(i, j) && l > 0 ? exp(scale * s_row[j] - m) * inv_l : A(0));
-  if (lse != nullptr && threadIdx.x == 0) lse[r] = l > 0 ? static_cast<float>(m + log(l)) : -INFINITY;
+    p_row[j] = narrow<P>(mask.allowed(i, j) && l != 0 ? exp(scale * s_row[j] - m) * inv_l : A(0));
+  if (lse != nullptr && threadIdx.x == 0) lse[r] = l != 0 ? static_cast<float>(m + log(l)) : -INFINITY;
+}
+
+/// Where V holds an inf or NaN (*nonfinite set by pack_kernel; otherwise every block returns at once): row r of O,
+/// o[r][c] = Σ_j p[r][j]·v[b, h_kv][j][c] over the keys row r's mask allows only, replacing the P·V GEMM's row
+/// (in which the masked keys' p = 0 met their V: 0·inf = NaN). One block per row, a thread per column.
+template <class A, class E, class Mask>
+__global__ void plain_pv_kernel(const E* p, const E* v, A* o, const int* nonfinite, const Mask all_heads,
+                                index_t heads, index_t group, index_t head_dim) {
+  if (*nonfinite == 0) return;
+  const index_t r = blockIdx.x, i = r % all_heads.seq_q, n = all_heads.seq_kv, bh = r / all_heads.seq_q;
+  const index_t b = bh / heads, h = bh % heads;
+  const Mask mask = head_mask(all_heads, b, h);
+  const E* p_row = p + r * n;
+  const E* v_head = v + (b * (heads / group) + h / group) * n * head_dim;
+  for (index_t c = threadIdx.x; c < head_dim; c += blockDim.x) {
+    A sum = 0;
+    for (index_t j = 0; j < n; ++j)
+      if (mask.allowed(i, j)) sum += static_cast<A>(widen(p_row[j])) * static_cast<A>(widen(v_head[j * head_dim + c]));
+    o[r * head_dim + c] = sum;
+  }
 }
 
 /// The cuBLAS handle of this host thread for the current device, created on first use. A first use inside a stream
@@ -172,6 +206,26 @@ inline dim3 elementwise_grid(index_t n) {
   return dim3(unsigned(blocks < max_blocks ? blocks : max_blocks));
 }
 
+/// Device scratch bytes of naive_attention for storage type `T`: packed Q, K, V (the input type), S and the unpacked O
+/// (the accumulation type), P (the input type) and a flag; SIZE_MAX when the count overflows.
+template <class T>
+std::size_t naive_scratch_bytes(const problem& pr) {
+  using E = device_t<T>;
+  using A = typename naive_types<E>::acc;
+  // Σ of products of non-negative extents, each term and the sum checked.
+  std::size_t total = sizeof(int);
+  bool overflow = false;
+  const auto add = [&](std::initializer_list<index_t> factors, std::size_t bytes) {
+    std::size_t x = bytes;
+    for (index_t f : factors) overflow = overflow || __builtin_mul_overflow(x, std::size_t(f), &x);
+    overflow = overflow || __builtin_add_overflow(total, x, &total);
+  };
+  add({pr.batch, pr.heads, pr.seq_q, pr.head_dim}, sizeof(E) + sizeof(A));   // packed Q, unpacked O
+  add({pr.batch, pr.heads_kv, pr.seq_kv, pr.head_dim}, 2 * sizeof(E));       // packed K, V
+  add({pr.batch, pr.heads, pr.seq_q, pr.seq_kv}, sizeof(A) + sizeof(E));     // S, P
+  return overflow ? SIZE_MAX : total;
+}
+
 /// The naive pipeline for storage type `T` (device twin `E`); see the file comment.
 template <class T, class Mask>
 status naive_attention(const problem& pr, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
@@ -185,6 +239,9 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
   if (rows > max_int || pr.seq_kv > max_int || pr.head_dim > max_int || pr.batch * pr.heads_kv > max_int ||
       pr.batch * pr.heads * pr.seq_q > max_int)
     return {errc::unsupported, "naive CUDA pipeline: a GEMM extent exceeds 2^31 - 1"};
+  if (naive_scratch_bytes<T>(pr) == SIZE_MAX)
+    return {errc::out_of_memory, "naive CUDA pipeline: its scratch (S and P: batch * heads * seq_q * seq_kv scores) "
+                                 "exceeds the address space"};
 
   cublasHandle_t handle = nullptr;
   if (status st = cublas_handle(handle); !st) return st;
@@ -202,6 +259,11 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
   if (status st = arena.allocate(sc, n_s, "scores S"); !st) return st;
   if (status st = arena.allocate(pc, n_s, "probabilities P"); !st) return st;
   if (status st = arena.allocate(oc, n_q, "unpacked O"); !st) return st;
+  int* v_nonfinite = nullptr;
+  if (status st = arena.allocate(v_nonfinite, 1, "non-finite V flag"); !st) return st;
+  if (status st = from_cuda(cudaMemsetAsync(v_nonfinite, 0, sizeof(int), stream), "cudaMemsetAsync(non-finite V flag)");
+      !st)
+    return st;
 
   const tensor_ref<const E> qe{reinterpret_cast<const E*>(q.data), q.dims, q.stride};
   const tensor_ref<const E> ke{reinterpret_cast<const E*>(k.data), k.dims, k.stride};
@@ -209,7 +271,7 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
   const tensor_ref<E> oe{reinterpret_cast<E*>(o.data), o.dims, o.stride};
   pack_kernel<<<elementwise_grid(n_q), 256, 0, stream>>>(qe, qc, n_q);
   pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(ke, kc, n_kv);
-  pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(ve, vc, n_kv);
+  pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(ve, vc, n_kv, v_nonfinite);
   if (status st = last_launch("pack_kernel"); !st) return st;
 
   // Column-major view: S_batchᵀ (s_kv × rows) = K_cmᵀ · Q_cm, with K_cm (d × s_kv) and Q_cm (d × rows).
@@ -237,6 +299,10 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
           "cublasGemmStridedBatchedEx(P·V)");
       !st)
     return st;
+
+  plain_pv_kernel<A, E, Mask><<<unsigned(pr.batch * pr.heads * pr.seq_q), 128, 0, stream>>>(
+      pc, vc, oc, v_nonfinite, mask, pr.heads, group, pr.head_dim);
+  if (status st = last_launch("plain_pv_kernel"); !st) return st;
 
   unpack_kernel<<<elementwise_grid(n_q), 256, 0, stream>>>(static_cast<const A*>(oc), oe, n_q);
   return last_launch("unpack_kernel");
