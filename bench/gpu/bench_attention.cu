@@ -230,8 +230,22 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
 }
 #endif
 
+/// One line saying which kernel a call runs (fa::plan): its name, its device scratch and, when not fused, why.
+void print_plan(const fa::kernel_plan& pl) {
+  if (!pl) {
+    std::printf("      plan: refused: %s\n", pl.st.what());
+    return;
+  }
+  std::printf("      plan: %s, %zu bytes of scratch%s%s\n", pl.kernel.c_str(), pl.scratch_bytes, pl.fused ? "" : "; ",
+              pl.why.c_str());
+}
+
 template <class T>
 void time_attend(const shape& c, operands<T>& x, fa::policy::cuda_kernel kernel, const char* label) {
+  print_plan(c.causal ? fa::plan(fa::policy::cuda{nullptr, kernel}, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]),
+                                 x.out(), fa::causal{}, x.lse)
+                      : fa::plan(fa::policy::cuda{nullptr, kernel}, x.p, x.view(x.q[0]), x.view(x.k[0]), x.view(x.v[0]),
+                                 x.out(), fa::dense{}, x.lse));
   const double ms = median_ms(
       [&](int i) {
         const fa::status st = c.causal ? fa::attend(fa::policy::cuda{nullptr, kernel}, x.p, x.view(x.q[i]), x.view(x.k[i]),

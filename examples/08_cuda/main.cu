@@ -43,6 +43,16 @@ int main() {
                       fa::bhsd<const f16>(dk, p.kv_dims()), fa::bhsd<const f16>(dv, p.kv_dims()),
                       fa::bhsd(dout, p.o_dims()), fa::causal{});
   };
+  // Which kernel attend() runs for this call, its device scratch and, were it not the fused kernel, why.
+  const fa::kernel_plan plan = fa::plan(fa::policy::cuda{stream}, p, fa::bhsd<const f16>(dq, p.q_dims()),
+                                        fa::bhsd<const f16>(dk, p.kv_dims()), fa::bhsd<const f16>(dv, p.kv_dims()),
+                                        fa::bhsd(dout, p.o_dims()), fa::causal{});
+  if (!plan) {
+    std::fprintf(stderr, "fusedattn: %s\n", plan.st.what());
+    return 1;
+  }
+  std::printf("plan: %s, %zu bytes of device scratch%s%s\n", plan.kernel.c_str(), plan.scratch_bytes,
+              plan.fused ? " (fused)" : "; not fused: ", plan.why.c_str());
   if (const fa::status st = call(); !st) {
     std::fprintf(stderr, "fusedattn: %s\n", st.what());
     return 1;
