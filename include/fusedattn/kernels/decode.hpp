@@ -44,6 +44,18 @@ bool use_decode_kernel(const problem& p, const tile_sizes& tiles) {
   }
 }
 
+/// Asks for the cache lines of one row of n values (a hint; no effect on results).
+template <class T>
+inline void prefetch_row(const T* r, index_t n) {
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr index_t line = 64;  // bytes per cache line
+  const char* bytes = reinterpret_cast<const char*>(r);
+  for (index_t x = 0; x < n * index_t(sizeof(T)); x += line) __builtin_prefetch(bytes + x);
+#else
+  (void)r, (void)n;
+#endif
+}
+
 /// Per-thread working memory of the decode kernel (rows = group size × seq_q <= decode_max_rows).
 template <class Acc>
 struct decode_scratch {
@@ -92,7 +104,8 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
   const index_t prow = d + 2;  // one partial row: m, l, acc
   const Acc c_log2 = static_cast<Acc>(p.softmax_scale() * log2e);
 
-  // Items: for each sequence b, for each kv head, its chunks; first[b] is the first item of sequence b.
+  // Items: for each sequence b, for each of its key chunks, every kv head (the kv heads of one chunk are adjacent:
+  // in a [page][token][kv_head][d] cache they share OS pages); first[b] is the first item of sequence b.
   std::vector<index_t> first, chunk_keys, chunks;
   std::vector<Acc> partial;
   index_t items = 0;
@@ -151,7 +164,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
         const index_t b = sequence_of(item);
         const auto ub = static_cast<std::size_t>(b);
         const index_t local = item - first[ub];
-        const index_t h_kv = local / chunks[ub], c = local % chunks[ub];
+        const index_t c = local / p.heads_kv, h_kv = local % p.heads_kv;
         const band_mask mask = mask_of(b);
         const index_t len = kv.length(b);
 
@@ -172,6 +185,12 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
           // One step: keys [k0, k1), cut at multiples of decode_block_keys; S is rows × width, padded with −inf.
           const index_t k1 = std::min(key_hi, (k0 / cpu::decode_block_keys + 1) * cpu::decode_block_keys);
           const index_t kn = k1 - k0, width = round_up(kn, V::width);
+          // Prefetch the next step's K and V rows: a paged cache's rows sit in different OS pages, where the
+          // hardware prefetchers stop.
+          for (index_t j = k1; j < std::min(key_hi, k1 + cpu::decode_block_keys); ++j) {
+            prefetch_row(kv.k_row(b, h_kv, j), d);
+            prefetch_row(kv.v_row(b, h_kv, j), d);
+          }
           // S (rows × kn) = Q (rows × d) · Kᵀ (d × kn), run by run (a paged source's runs end at pages).
           for (index_t j = k0; j < k1;) {
             const index_t n = std::min(kv.run(j), k1 - j);
@@ -248,12 +267,12 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
         const auto ub = static_cast<std::size_t>(b);
         const index_t n_chunks = chunks[ub];
         if (n_chunks == 1) continue;
-        const Acc* parts = partial.data() + (first[ub] + h_kv * n_chunks) * rows * prow;
+        const Acc* parts = partial.data() + (first[ub] + h_kv) * rows * prow;  // chunk c: c·heads_kv items on
         for (index_t r = 0; r < rows; ++r) {
           Acc big_m = neg_inf;
           bool saw_nan = false;
           for (index_t c = 0; c < n_chunks; ++c) {
-            const Acc* part = parts + (c * rows + r) * prow;
+            const Acc* part = parts + (c * p.heads_kv * rows + r) * prow;
             big_m = std::max(big_m, part[0]);
             saw_nan |= std::isnan(part[1]);
           }
@@ -264,7 +283,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
             big_l = std::numeric_limits<Acc>::quiet_NaN();
           } else if (big_m != neg_inf) {
             for (index_t c = 0; c < n_chunks; ++c) {
-              const Acc* part = parts + (c * rows + r) * prow;
+              const Acc* part = parts + (c * p.heads_kv * rows + r) * prow;
               if (part[1] <= Acc(0)) continue;
               const Acc w = std::exp2(part[0] - big_m);
               big_l += w * part[1];
