@@ -2,7 +2,11 @@
 // padding, broadcast strides) per operand, a mask (band or block-sparse), a thread count, flash tile sizes, whether
 // lse is wanted, the input values, and at most one "hostile" mutation (null pointer, shape mismatch, bad stride,
 // aliasing, overlapping rows, overflow, bad threads, scale or mask, a block layout built for another problem).
-// The bytes may also put a NaN into Q, K or V, or an infinity into V (one element; broadcast strides repeat it).
+// The bytes may also put a NaN into Q, K or V, or an infinity into V (one element; broadcast strides repeat it),
+// make an extent 0 (valid: nothing written, or rows that see no key) or a block size near INT64_MAX. One input in
+// 16 goes to fuzz_huge instead: extents, strides, block and tile sizes up to INT64_MAX, where fa::plan and attend
+// must refuse alike (same status, nothing written) without overflow or an absurd allocation; one in 16 goes to
+// fuzz_serving: attend_paged and attend_ragged on a small paged cache / ragged batch, with at most one bad index.
 // Every CPU policy of tests/test_reliability_support.hpp then runs the call, and:
 //   - a mutated (invalid) call must return invalid_argument and leave every buffer bitwise unchanged;
 //   - a valid call must succeed, leave the inputs and the gaps of O untouched, and agree with the float64 oracle
@@ -24,6 +28,8 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include <fusedattn/dispatch/serving.hpp>
 
 #include "support/oracle.hpp"
 #include "test_reliability_support.hpp"
@@ -101,7 +107,7 @@ T nan_of() {
 
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 /// The hostile mutations; `none` leaves the call valid.
@@ -240,15 +246,26 @@ void run_policy(const Policy& pol, const problem& p, const tensor_ref<const T>& 
 }
 
 template <class T>
+void fuzz_huge(byte_reader& r);
+template <class T>
+void fuzz_serving(byte_reader& r);
+
+template <class T>
 void fuzz_one(byte_reader& r) {
-  // Problem: small enough that the oracle and every kernel take microseconds.
+  const index_t route = r.below(16);
+  if (route == 15) return fuzz_huge<T>(r);
+  if (route == 14) return fuzz_serving<T>(r);
+  // Problem: small enough that the oracle and every kernel take microseconds. Now and then an extent is 0 (valid:
+  // nothing to write, or rows that see no key).
   problem p;
-  p.batch = 1 + r.below(2);
+  const bool zeros = r.below(8) == 7;
+  p.batch = zeros && r.below(4) == 0 ? 0 : 1 + r.below(2);
   p.heads_kv = 1 + r.below(3);
-  p.heads = p.heads_kv * (1 + r.below(3));
-  p.seq_q = 1 + r.below(12);
-  p.seq_kv = 1 + r.below(12);
+  p.heads = zeros && r.below(4) == 0 ? 0 : p.heads_kv * (1 + r.below(3));
+  p.seq_q = zeros && r.below(3) == 0 ? 0 : 1 + r.below(12);
+  p.seq_kv = zeros && r.below(2) == 0 ? 0 : 1 + r.below(12);
   p.head_dim = 1 + r.below(20);
+  const bool empty = p.batch == 0 || p.heads == 0 || p.seq_q == 0 || p.seq_kv == 0;
   static constexpr double scales[] = {0.01, 0.5, 1.0, 3.0, 1e3};
   if (r.below(3) == 0) p.scale = scales[r.below(5)];
   const int threads = 1 + static_cast<int>(r.below(4));
@@ -260,8 +277,11 @@ void fuzz_one(byte_reader& r) {
   const align al = r.below(2) ? align::bottom_right : align::top_left;
   // A block-sparse layout: blocks of 1..5 rows/keys, one pattern per head and batch entry or shared, random
   // active blocks, and a band rule inside the blocks. It must outlive the call (block_sparse views it).
-  block_geometry geometry{p.seq_q, p.seq_kv, 1 + r.below(5), 1 + r.below(5), r.below(2) ? p.batch : 1,
-                          r.below(2) ? p.heads : 1};
+  // Block sizes are now and then near INT64_MAX (one block per row / column: no count may overflow).
+  const auto block_size = [&] { return r.below(8) == 0 ? INT64_MAX - r.below(4) : 1 + r.below(5); };
+  const index_t block_q = block_size(), block_kv = block_size();
+  block_geometry geometry{p.seq_q, p.seq_kv, block_q, block_kv, r.below(2) && p.batch > 0 ? p.batch : 1,
+                          r.below(2) && p.heads > 0 ? p.heads : 1};
   const double sparsity = static_cast<double>(r.below(5)) / 4;
   const std::uint64_t layout_seed = r.u8();
   block_sparse::element_rule within = dense{};
@@ -281,7 +301,7 @@ void fuzz_one(byte_reader& r) {
   fill(k.view, rng, amp);
   fill(v.view, rng, 1.0);
   // At most one non-finite input element (as `none` most of the time): NaN in Q, K or V, or ±inf in V.
-  switch (r.below(12)) {
+  switch (empty ? 11 : r.below(12)) {
     case 0: q.view.row(r.below(p.batch), r.below(p.heads), r.below(p.seq_q))[r.below(p.head_dim)] = nan_of<T>(); break;
     case 1: k.view.row(r.below(p.batch), r.below(p.heads_kv), r.below(p.seq_kv))[r.below(p.head_dim)] = nan_of<T>(); break;
     case 2: v.view.row(r.below(p.batch), r.below(p.heads_kv), r.below(p.seq_kv))[r.below(p.head_dim)] = nan_of<T>(); break;
@@ -303,7 +323,8 @@ void fuzz_one(byte_reader& r) {
   int threads_c = threads;
 
   // At most one hostile mutation; each one below makes the call invalid (checked against the docs' rules).
-  const auto mut = static_cast<mutation>(r.below(2 * static_cast<index_t>(mutation::count)));
+  // (None with a zero extent: a null or aliasing view of no element is valid.)
+  const auto mut = empty ? mutation::none : static_cast<mutation>(r.below(2 * static_cast<index_t>(mutation::count)));
   bool valid = true;
   switch (mut) {
     case mutation::null_q: qv.data = nullptr; valid = false; break;
@@ -401,6 +422,270 @@ void fuzz_one(byte_reader& r) {
     pol.threads = threads_c;
     set_tiles(pol, tiles);
     run_policy<T>(pol, pc, qv, kv, vv, ov, mask, lse, valid, watched, want_lse ? &lse_buf : nullptr, o);
+  });
+}
+
+/// Serving calls: a small paged cache (attend_paged, both page layouts) and a ragged batch (attend_ragged), both
+/// from the bytes, with at most one bad index (a page id out of range, a length beyond its pages, a block table too
+/// short, offsets decreasing or not ending at the total). A bad call must return invalid_argument and write
+/// nothing; a valid one must agree, sequence by sequence, with the float64 oracle on the keys gathered contiguously.
+template <class T>
+void fuzz_serving(byte_reader& r) {
+  const index_t sequences = 1 + r.below(3), heads_kv = 1 + r.below(2), heads = heads_kv * (1 + r.below(4));
+  const index_t d = 1 + r.below(20), seq_q = 1 + r.below(5), page_size = 8 * (1 + r.below(3));
+  std::vector<std::int32_t> lens(static_cast<std::size_t>(sequences));
+  for (auto& x : lens) x = static_cast<std::int32_t>(r.below(40));
+  const index_t longest = std::max<index_t>(1, *std::max_element(lens.begin(), lens.end()));
+  const index_t blocks = (longest + page_size - 1) / page_size, pages = sequences * blocks + r.below(3);
+  const page_layout pl = r.below(2) ? page_layout::hnd : page_layout::nhd;
+  const page_strides ps = page_strides_of(pl, page_size, heads_kv, d);
+  std::vector<std::int32_t> table(static_cast<std::size_t>(sequences * blocks));
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = static_cast<std::int32_t>(i);
+  std::mt19937_64 rng(r.u64());
+  std::shuffle(table.begin(), table.end(), rng);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> kp(static_cast<std::size_t>(pages * ps.page)), vp(kp.size());
+  for (auto& x : kp) x = static_cast<T>(u(rng));
+  for (auto& x : vp) x = static_cast<T>(u(rng));
+  problem p{sequences, heads, heads_kv, seq_q, longest, d};
+  std::vector<T> q(static_cast<std::size_t>(sequences * heads * seq_q * d)), o(q.size(), T(50.0f));
+  for (auto& x : q) x = static_cast<T>(u(rng));
+  std::vector<float> lse(static_cast<std::size_t>(p.lse_size()), 77.0f);
+  const align al = r.below(2) ? align::bottom_right : align::top_left;
+  const any_mask mask = r.below(3) == 0 ? any_mask{dense{}} : r.below(2) ? any_mask{causal{al}}
+                                                                         : any_mask{window{r.below(9), r.below(9), al}};
+  // Keys of sequence b gathered into a contiguous (1, heads_kv, len, d) buffer.
+  const auto gather = [&](const std::vector<T>& pool, index_t b) {
+    const index_t len = lens[static_cast<std::size_t>(b)];
+    std::vector<T> out(static_cast<std::size_t>(std::max<index_t>(1, heads_kv * len * d)));
+    for (index_t h = 0; h < heads_kv; ++h)
+      for (index_t j = 0; j < len; ++j)
+        for (index_t c = 0; c < d; ++c)
+          out[static_cast<std::size_t>((h * len + j) * d + c)] = pool[static_cast<std::size_t>(
+              table[static_cast<std::size_t>(b * blocks + j / page_size)] * ps.page + h * ps.head +
+              (j % page_size) * ps.token + c)];
+    return out;
+  };
+  // O rows [q0, q0 + nq) of every head, viewed by `ov`, against the oracle on (q, k, v) of one sequence.
+  const auto check = [&](const std::string& who, const problem& pb, const tensor_ref<const T>& qb,
+                         const tensor_ref<const T>& kb, const tensor_ref<const T>& vb, const tensor_ref<T>& ob) {
+    std::visit(
+        [&](const auto& m) {
+          const auto bound = bind(m, pb);
+          const reference ref = reference_attention<double>(pb, qb, kb, vb, bound);
+          const reference plain = reference_attention<accum_t<T>>(pb, qb, kb, vb, bound);
+          double err = 0, plain_err = 0;
+          for (index_t h = 0; h < pb.heads; ++h)
+            for (index_t i = 0; i < pb.seq_q; ++i)
+              for (index_t c = 0; c < pb.head_dim; ++c) {
+                const std::size_t at = static_cast<std::size_t>((h * pb.seq_q + i) * pb.head_dim + c);
+                const double x = static_cast<double>(ob.row(0, h, i)[c]);
+                err = std::max(err, std::isfinite(x) ? std::abs(x - ref.o[at]) : std::numeric_limits<double>::infinity());
+                plain_err = std::max(plain_err, std::abs(static_cast<double>(static_cast<T>(plain.o[at])) - ref.o[at]));
+              }
+          const double tol = 2 * plain_err + 8 * static_cast<double>(Eigen::NumTraits<T>::epsilon());
+          if (!(err <= tol)) fail(who + " O error " + std::to_string(err) + " > tolerance " + std::to_string(tol));
+        },
+        mask);
+  };
+
+  // Paged, with at most one bad index.
+  std::vector<std::int32_t> bad_table = table, bad_lens = lens;
+  paged_kv<const T> kv = paged<const T>(kp.data(), vp.data(), pages, page_size, heads_kv, d, pl, bad_table.data(),
+                                        blocks, bad_lens.data());
+  bool valid = true;
+  switch (r.below(8)) {
+    case 0:
+      if (lens[0] > 0) {
+        bad_table[0] = r.below(2) ? static_cast<std::int32_t>(pages + r.below(3)) : -1 - static_cast<std::int32_t>(r.below(3));
+        valid = false;
+      }
+      break;
+    case 1: bad_lens[static_cast<std::size_t>(r.below(sequences))] = static_cast<std::int32_t>(blocks * page_size + 1 + r.below(9)); valid = false; break;
+    case 2:
+      if (longest > page_size) {
+        kv.blocks_per_seq = blocks - 1;
+        valid = false;
+      }
+      break;
+    case 3: bad_lens[static_cast<std::size_t>(r.below(sequences))] = -1; valid = false; break;
+    default: break;
+  }
+  const std::vector<T> o_before = o;
+  const std::vector<float> lse_before = lse;
+  for_each_cpu_policy([&](auto pol) {
+    if constexpr (detail::is_cpu_flash<decltype(pol)>::value) {
+      std::fill(o.begin(), o.end(), T(50.0f));
+      const std::string who = policy_name<decltype(pol)>() + " " + scalar_name<T>() + " paged";
+      const status st = std::visit(
+          [&](const auto& m) {
+            if constexpr (detail::is_band_mask_v<std::decay_t<decltype(m)>>)
+              return attend_paged(pol, p, bhsd<const T>(q.data(), p.q_dims()), kv, bhsd(o.data(), p.o_dims()), m,
+                                  lse.data());
+            else
+              return status::invalid("not a band mask");
+          },
+          mask);
+      if (!valid) {
+        if (st.code() != errc::invalid_argument) fail(who + ": a bad cache was not rejected");
+        if (!same_bits(o, std::vector<T>(o.size(), T(50.0f))) || lse != lse_before) fail(who + ": a rejected call wrote");
+        return;
+      }
+      if (!st.ok()) fail(who + ": a valid call failed: " + st.what());
+      for (index_t b = 0; b < sequences; ++b) {
+        const index_t len = lens[static_cast<std::size_t>(b)];
+        const problem pb{1, heads, heads_kv, seq_q, std::max<index_t>(len, 1), d};
+        const tensor_ref<T> ob = bhsd(o.data() + b * heads * seq_q * d, pb.o_dims());
+        if (len == 0) {
+          for (index_t x = 0; x < heads * seq_q * d; ++x)
+            if (static_cast<double>(ob.data[x]) != 0.0) fail(who + ": a sequence without keys got O != 0");
+          continue;
+        }
+        const std::vector<T> kb = gather(kp, b), vb = gather(vp, b);
+        check(who, pb, bhsd<const T>(q.data() + b * heads * seq_q * d, pb.q_dims()),
+              bhsd<const T>(kb.data(), pb.kv_dims()), bhsd<const T>(vb.data(), pb.kv_dims()), ob);
+      }
+    }
+  });
+
+  // Ragged: the same sequences packed end to end (query rows 0..4 each), with at most one bad offset.
+  std::vector<std::int32_t> cu_q{0}, cu_kv{0};
+  for (index_t b = 0; b < sequences; ++b) {
+    cu_q.push_back(cu_q.back() + static_cast<std::int32_t>(r.below(5)));
+    cu_kv.push_back(cu_kv.back() + lens[static_cast<std::size_t>(b)]);
+  }
+  const problem pr{1, heads, heads_kv, std::max<index_t>(1, cu_q.back()), std::max<index_t>(1, cu_kv.back()), d};
+  if (pr.seq_q != cu_q.back() || pr.seq_kv != cu_kv.back()) return;  // totals of 0: no ragged call
+  std::vector<T> qr(static_cast<std::size_t>(pr.seq_q * heads * d)), kr(static_cast<std::size_t>(pr.seq_kv * heads_kv * d)),
+      vr(kr.size()), orr(qr.size(), T(50.0f));
+  for (auto* buf : {&qr, &kr, &vr})
+    for (auto& x : *buf) x = static_cast<T>(u(rng));
+  std::vector<std::int32_t> bq = cu_q, bkv = cu_kv;
+  bool valid_r = true;
+  switch (r.below(6)) {
+    case 0: bq.back() += 1; valid_r = false; break;  // not ending at the total
+    case 1:
+      if (sequences > 1) {
+        bkv[1] = bkv[2] + 1;  // decreasing
+        valid_r = false;
+      }
+      break;
+    case 2: bq[0] = 1; valid_r = false; break;  // not starting at 0
+    default: break;
+  }
+  const ragged_batch rb{sequences, bq.data(), bkv.data()};
+  std::vector<float> lse_r(static_cast<std::size_t>(pr.lse_size()), 77.0f);
+  for_each_cpu_policy([&](auto pol) {
+    std::fill(orr.begin(), orr.end(), T(50.0f));
+    const std::string who = policy_name<decltype(pol)>() + " " + scalar_name<T>() + " ragged";
+    const status st = std::visit(
+        [&](const auto& m) {
+          if constexpr (detail::is_band_mask_v<std::decay_t<decltype(m)>>)
+            return attend_ragged(pol, pr, rb, bshd<const T>(qr.data(), pr.q_dims()),
+                                 bshd<const T>(kr.data(), pr.kv_dims()), bshd<const T>(vr.data(), pr.kv_dims()),
+                                 bshd(orr.data(), pr.o_dims()), m, lse_r.data());
+          else
+            return status::invalid("not a band mask");
+        },
+        mask);
+    if (!valid_r) {
+      if (st.code() != errc::invalid_argument) fail(who + ": bad offsets were not rejected");
+      if (!same_bits(orr, std::vector<T>(orr.size(), T(50.0f)))) fail(who + ": a rejected call wrote");
+      return;
+    }
+    if (st.code() == errc::unsupported) return;
+    if (!st.ok()) fail(who + ": a valid call failed: " + st.what());
+    for (index_t b = 0; b < sequences; ++b) {
+      const index_t q0 = cu_q[static_cast<std::size_t>(b)], nq = cu_q[static_cast<std::size_t>(b) + 1] - q0;
+      const index_t k0 = cu_kv[static_cast<std::size_t>(b)], nk = cu_kv[static_cast<std::size_t>(b) + 1] - k0;
+      if (nq == 0 || nk == 0) continue;
+      const problem pb{1, heads, heads_kv, nq, nk, d};
+      check(who, pb, bshd<const T>(qr.data() + q0 * heads * d, pb.q_dims()),
+            bshd<const T>(kr.data() + k0 * heads_kv * d, pb.kv_dims()),
+            bshd<const T>(vr.data() + k0 * heads_kv * d, pb.kv_dims()), bshd(orr.data() + q0 * heads * d, pb.o_dims()));
+    }
+  });
+}
+
+/// A size drawn up to INT64_MAX: 0..3, small, near INT64_MAX, any 63-bit value, a power of two, or next to 2^48.
+index_t any_size(byte_reader& r) {
+  switch (r.below(6)) {
+    case 0: return r.below(4);
+    case 1: return 1 + r.below(64);
+    case 2: return INT64_MAX - r.below(4);
+    case 3: return static_cast<index_t>(r.u64() >> 1);
+    case 4: return index_t(1) << r.below(63);
+    default: return (index_t(1) << 48) - 1 + r.below(3);
+  }
+}
+
+/// Absurd sizes: every extent, stride, block size and tile size up to INT64_MAX, views that broadcast one element
+/// (stride 0) or carry any stride. fa::plan must answer without overflow (UBSan), out-of-bounds access (ASan) or an
+/// allocation of the absurd size; wherever it refuses the call, attend must refuse it with the same status and
+/// write nothing. A call plan accepts may be far too large to run, so attend runs only where plan refuses.
+/// (seq_q stays below 2^20 or beyond 2^48: the flash plan lists its q-tiles, O(seq_q) work, legitimately.)
+template <class T>
+void fuzz_huge(byte_reader& r) {
+  problem p;
+  p.batch = any_size(r);
+  p.heads_kv = any_size(r);
+  p.heads = r.below(2) ? detail::mul_sat(p.heads_kv, 1 + r.below(3)) : any_size(r);
+  switch (r.below(3)) {
+    case 0: p.seq_q = static_cast<index_t>(r.u64() % (index_t(1) << 20)); break;
+    case 1: p.seq_q = (index_t(1) << 48) + 1 + r.below(8); break;
+    default: p.seq_q = INT64_MAX - r.below(4); break;
+  }
+  p.seq_kv = any_size(r);
+  p.head_dim = r.below(2) ? 1 + r.below(max_head_dim) : any_size(r);
+  if (r.below(4) == 0) p.scale = r.below(2) ? 1e-300 : -1e-300;
+  std::vector<T> arena(64, T(0.25f));
+  const std::vector<T> before = arena;
+  std::vector<float> lse_arena(8, 5.0f);
+  const auto view = [&](dims4 d, T* data) {
+    switch (r.below(4)) {
+      case 0: return bhsd(data, d);
+      case 1: return bshd(data, d);
+      case 2: return strided(data, d, {0, 0, 0, 1});
+      default: return strided(data, d, {any_size(r), any_size(r), any_size(r), 1});
+    }
+  };
+  const tensor_ref<const T> q = view(p.q_dims(), arena.data()), k = view(p.kv_dims(), arena.data()),
+                            v = view(p.kv_dims(), arena.data());
+  const tensor_ref<T> o = view(p.o_dims(), arena.data() + 8);
+  float* lse = r.below(2) ? lse_arena.data() : nullptr;
+  const tile_sizes tiles{r.below(2) ? 0 : any_size(r), r.below(2) ? 0 : any_size(r), r.below(2) ? 0 : any_size(r)};
+  const int threads = r.below(2) ? 1 + static_cast<int>(r.below(8)) : static_cast<int>(r.u64() & 0x7fffffff);
+  // Masks: a band with any bounds, or a layout with blocks up to INT64_MAX (built only when it has few blocks;
+  // otherwise a view of the geometry alone, which validation refuses).
+  const block_geometry g{p.seq_q, p.seq_kv, any_size(r), any_size(r), r.below(2) ? 1 : p.batch, r.below(2) ? 1 : p.heads};
+  const bool small_layout = g.usable() && g.patterns() <= 4096 && g.rows() <= 4096 && g.n_kv_blocks() <= 4096 &&
+                            g.rows() * g.n_kv_blocks() <= (index_t(1) << 16);
+  const block_layout layout = small_layout ? dense_layout(g) : block_layout();
+  block_layout_view geometry_only;
+  geometry_only.geometry = g;
+  any_mask mask = dense{};
+  switch (r.below(4)) {
+    case 0: mask = causal{r.below(2) ? align::top_left : align::bottom_right}; break;
+    case 1: mask = window{any_size(r), any_size(r), r.below(2) ? align::top_left : align::bottom_right}; break;
+    case 2: mask = small_layout ? block_sparse(layout) : block_sparse(geometry_only); break;
+    default: break;
+  }
+  for_each_cpu_policy([&](auto pol) {
+    pol.threads = threads;
+    set_tiles(pol, tiles);
+    const kernel_plan pl = plan(pol, p, q, k, v, o, mask, lse);
+    const std::string who = policy_name<decltype(pol)>() + " " + scalar_name<T>() + " (absurd sizes): ";
+    if (pl.st.ok()) {
+      if (pl.kernel.empty()) fail(who + "plan accepted the call but names no kernel");
+      return;
+    }
+    if (!pl.kernel.empty() || pl.scratch_bytes != 0) fail(who + "a refused plan carries a kernel");
+    if (pl.st.message().empty()) fail(who + "a refused plan gives no reason");
+    const status st = attend(pol, p, q, k, v, o, mask, lse);
+    if (st.code() != pl.st.code() || st.message() != pl.st.message())
+      fail(who + "plan said \"" + pl.st.message() + "\" but attend said \"" + st.message() + "\"");
+    if (!same_bits(arena, before)) fail(who + "a refused call wrote memory");
+    if (lse_arena != std::vector<float>(8, 5.0f)) fail(who + "a refused call wrote lse");
   });
 }
 

@@ -248,7 +248,7 @@ template <class Active>
 block_layout layout_from_rule(const block_geometry& g, Active&& active) {
   std::vector<index_t> offsets{0};
   std::vector<block_index> cols;
-  if (g.usable()) {
+  if (g.usable() && g.rows() > 0) {
     const index_t n_q = g.n_q_blocks(), n_kv = g.n_kv_blocks();
     offsets.reserve(static_cast<std::size_t>(g.rows() + 1));
     for (index_t pat = 0; pat < g.patterns(); ++pat)
@@ -351,7 +351,7 @@ inline block_layout random_layout(const block_geometry& g, double sparsity, std:
                                   const block_frame& frame = {}) {
   std::vector<index_t> offsets{0};
   std::vector<block_index> cols;
-  if (g.usable()) {
+  if (g.usable() && g.rows() > 0) {
     const index_t n_q = g.n_q_blocks(), n_kv = g.n_kv_blocks();
     const double keep = 1.0 - std::min(1.0, std::max(0.0, std::isnan(sparsity) ? 0.0 : sparsity));
     const index_t budget = static_cast<index_t>(std::llround(keep * static_cast<double>(n_kv)));
