@@ -15,6 +15,7 @@
 
 #include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
+#include "../kernels/modifiers.hpp"
 #include "problem.hpp"
 #include "status.hpp"
 #include "tensor.hpp"
@@ -173,10 +174,27 @@ inline status check_mask(const window& w) {
   return {};
 }
 
+/// The modifiers' own checks (the values behind the pointers are not read: they may live on a device).
+inline status check_mods(const score_mods& m) {
+  if (m.has_softcap && !(std::isfinite(m.softcap) && m.softcap >= std::numeric_limits<float>::min()))
+    return status::invalid("softcap.cap is " + str_double(m.softcap) + "; it must be a finite, positive, normal float");
+  if (m.has_alibi && !m.alibi_slopes) return status::invalid("alibi.slopes is null; it must point to heads floats");
+  if (m.has_sinks && !m.sink_logits) return status::invalid("sinks.logits is null; it must point to heads floats");
+  if (m.alibi_alignment != align::top_left && m.alibi_alignment != align::bottom_right)
+    return status::invalid("alibi.alignment is not a valid fusedattn::align value");
+  return {};
+}
+
 /// Masks whose check does not depend on the problem (block_sparse's does: see block_sparse.hpp).
 template <class Mask>
 status check_mask(const Mask& m, const problem&) {
   return check_mask(m);
+}
+/// A mask with score modifiers: the mask's check, then the modifiers'.
+template <class Mask>
+status check_mask(const modified<Mask>& m, const problem& p) {
+  if (status st = check_mask(m.mask, p); !st) return st;
+  return check_mods(m.mods);
 }
 
 /// The scale must survive conversion to the accumulation type of T as a finite, positive, normal number.

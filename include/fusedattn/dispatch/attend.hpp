@@ -12,6 +12,7 @@
 #include "../core/validate.hpp"
 #include "../kernels/block_sparse.hpp"
 #include "../kernels/mask.hpp"
+#include "../kernels/modifiers.hpp"
 #include "../kernels/flash.hpp"
 #include "../kernels/naive.hpp"
 #include "../kernels/no_keys.hpp"
@@ -86,7 +87,9 @@ status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, co
 ///              Any non-negative strides; the head_dim stride must be 1.
 /// @param o     (batch, heads, seq_q, head_dim) output view; must not overlap q, k, v or itself (rows may
 ///              interleave as long as no element is shared).
-/// @param mask  dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or an any_mask.
+/// @param mask  dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or an any_mask, each
+///              optionally combined with score modifiers: `mask | fa::softcap{cap} | fa::alibi{slopes} |
+///              fa::sinks{logits}` (kernels/modifiers.hpp; the arithmetic in core/score_mod.hpp).
 /// @param lse   optional output of batch·heads·seq_q floats laid out [b][h][i], natural log; nullptr for none.
 ///
 /// The numerical contract, the same on every backend and kernel (docs/design.md, "Numerics"):
@@ -104,8 +107,8 @@ template <class Policy, class T, class Mask = dense>
 status attend(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
               tensor_ref<const detail::identity_t<T>> k, tensor_ref<const detail::identity_t<T>> v, tensor_ref<T> o,
               const Mask& mask = {}, float* lse = nullptr) {
-  if constexpr (std::is_same_v<Mask, any_mask>) {
-    return std::visit([&](const auto& m) { return attend(pol, p, q, k, v, o, m, lse); }, mask);
+  if constexpr (detail::is_runtime_mask_v<Mask>) {
+    return detail::visit_mask(mask, [&](const auto& m) { return attend(pol, p, q, k, v, o, m, lse); });
   } else {
     if (status st = validate_policy(pol); !st) return st;
     if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;

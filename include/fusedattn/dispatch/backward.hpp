@@ -81,6 +81,7 @@ status run_backward(const policy::cpu<Arch>& pol, const problem& p, const tensor
                     const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
                     const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
                     const tensor_ref<T>& dk, const tensor_ref<T>& dv, const Bound& mask) {
+  if (status st = mods_unsupported(mods_of(mask), "the CPU backward kernel"); !st) return st;
   return kernels::flash_backward<T, Arch, Bound>(p, q, k, v, o, d_o, lse, dq, dk, dv, mask, pol.threads, pol.tiles);
 }
 
@@ -117,9 +118,9 @@ status attend_backward(const Policy& pol, const problem& p, tensor_ref<const det
                        tensor_ref<const detail::identity_t<T>> o, tensor_ref<const detail::identity_t<T>> d_o,
                        const float* lse, tensor_ref<T> dq, tensor_ref<detail::identity_t<T>> dk,
                        tensor_ref<detail::identity_t<T>> dv, const Mask& mask = {}) {
-  if constexpr (std::is_same_v<Mask, any_mask>) {
-    return std::visit([&](const auto& m) { return attend_backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, m); },
-                      mask);
+  if constexpr (detail::is_runtime_mask_v<Mask>) {
+    return detail::visit_mask(
+        mask, [&](const auto& m) { return attend_backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, m); });
   } else {
     if (status st = validate_policy(pol); !st) return st;
     if (status st = validate_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, mask); !st) return st;

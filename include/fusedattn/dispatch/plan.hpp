@@ -19,6 +19,7 @@
 #include "../kernels/block_sparse.hpp"
 #include "../kernels/flash.hpp"
 #include "../kernels/mask.hpp"
+#include "../kernels/modifiers.hpp"
 #include "../kernels/naive.hpp"
 #include "policy.hpp"
 
@@ -30,9 +31,6 @@
 #endif
 
 namespace fusedattn {
-
-/// A mask chosen at run time.
-using any_mask = std::variant<dense, causal, window, block_sparse>;
 
 namespace detail {
 
@@ -104,6 +102,7 @@ kernel_plan plan_run(const policy::cpu<Arch>& pol, const problem& p, const tenso
   using Acc = accum_t<T>;
   if (status st = check_host_memory(q, k, v, o, lse); !st) return failed_plan(st);
   if (status st = check_cpu_flash_policy(pol); !st) return failed_plan(st);
+  if (status st = mods_unsupported(mods_of(mask), "cpu.flash"); !st) return failed_plan(st);
   kernel_plan r;
   if (plan_trivial_cpu(p, r)) return r;
   r.kernel = std::string("cpu.flash<") + Arch::name() + ">";
@@ -135,8 +134,9 @@ kernel_plan plan_run(const policy::cpu<Arch>& pol, const problem& p, const tenso
 template <class T, class Bound>
 kernel_plan plan_run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
-                     const Bound&, const float* lse) {
+                     const Bound& mask, const float* lse) {
   if (status st = check_host_memory(q, k, v, o, lse); !st) return failed_plan(st);
+  if (status st = mods_unsupported(mods_of(mask), "cpu.naive"); !st) return failed_plan(st);
   kernel_plan r;
   if (plan_trivial_cpu(p, r)) return r;
   r.kernel = "cpu.naive";
@@ -186,8 +186,8 @@ template <class Policy, class T, class Mask = dense>
 kernel_plan plan(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
                  tensor_ref<const detail::identity_t<T>> k, tensor_ref<const detail::identity_t<T>> v, tensor_ref<T> o,
                  const Mask& mask = {}, const float* lse = nullptr) {
-  if constexpr (std::is_same_v<Mask, any_mask>) {
-    return std::visit([&](const auto& m) { return plan(pol, p, q, k, v, o, m, lse); }, mask);
+  if constexpr (detail::is_runtime_mask_v<Mask>) {
+    return detail::visit_mask(mask, [&](const auto& m) { return plan(pol, p, q, k, v, o, m, lse); });
   } else {
     if (status st = validate_policy(pol); !st) return detail::failed_plan(st);
     if (status st = validate(p, q, k, v, o, mask, lse); !st) return detail::failed_plan(st);

@@ -152,6 +152,9 @@ struct block_sparse_mask {
   }
 };
 
+/// The score modifiers of a block-sparse mask live in its element rule.
+FUSEDATTN_HOST_DEVICE inline const bound_mods& mods_of(const block_sparse_mask& m) { return m.band.mods; }
+
 /// The mask of one (batch, head): the pattern of batch entry b and head h (shared patterns ignore b or h).
 FUSEDATTN_HOST_DEVICE inline block_sparse_mask for_head(const block_sparse_mask& m, index_t b, index_t h) {
   block_sparse_mask r = m;

@@ -12,6 +12,7 @@
 
 #include "../config.hpp"
 #include "../core/problem.hpp"
+#include "../core/score_mod.hpp"
 #include "../core/types.hpp"
 
 namespace fusedattn {
@@ -56,6 +57,7 @@ struct band_mask {
   index_t seq_kv = 0;
   index_t lo = -unbounded;  ///< smallest allowed j - i
   index_t hi = unbounded;   ///< largest allowed j - i
+  bound_mods mods{};        ///< score modifiers (core/score_mod.hpp); all off for a plain mask
 
   /// The per-element rule.
   FUSEDATTN_HOST_DEVICE bool allowed(index_t i, index_t j) const {
@@ -113,6 +115,9 @@ struct band_mask {
     return n;
   }
 };
+
+/// The score modifiers a bound mask carries (all off unless the user combined the mask with one).
+FUSEDATTN_HOST_DEVICE inline const bound_mods& mods_of(const band_mask& m) { return m.mods; }
 
 /// The mask rule of one (batch, head). A kernel calls this once per (b, h) before asking the questions above:
 /// masks that are the same for every head return themselves; per-head masks (block_sparse_mask) overload it.

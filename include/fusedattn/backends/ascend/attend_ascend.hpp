@@ -372,6 +372,7 @@ namespace detail {
 template <class T, class Bound>
 status run(const policy::ascend& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const Bound& mask, float* lse) {
+  if (status st = mods_unsupported(mods_of(mask), "the Ascend backend"); !st) return st;
   return ascend_backend::attend(pol, p, q, k, v, o, mask, lse);
 }
 
@@ -381,6 +382,11 @@ template <class T, class Bound>
 kernel_plan plan_run(const policy::ascend&, const problem& p, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
                      const Bound& mask, const float* lse) {
+  if (status st = mods_unsupported(mods_of(mask), "the Ascend backend"); !st) {
+    kernel_plan r;
+    r.st = std::move(st);
+    return r;
+  }
   ascend_backend::call_plan c = ascend_backend::make_plan(p, q, k, v, o, mask, lse);
   kernel_plan r;
   if (!c.st) {

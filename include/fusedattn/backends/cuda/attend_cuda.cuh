@@ -286,6 +286,7 @@ namespace detail {
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const block_sparse_mask& mask, float* lse) {
+  if (status st = mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return st;
   if (cuda_backend::empty_call(p)) return cuda_backend::attend(pol, p, q, k, v, o, mask, lse);  // reads no layout
   const auto stream = static_cast<cudaStream_t>(pol.stream);
   cuda_backend::scratch_arena arena(stream);
@@ -299,6 +300,7 @@ template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const cuda::device_block_sparse_mask& mask,
            float* lse) {
+  if (status st = mods_unsupported(cuda::mods_of(mask), "the CUDA backend"); !st) return st;
   if (status st = cuda::check_geometry(mask.geometry, p); !st) return st;
   return cuda_backend::attend(pol, p, q, k, v, o, mask.mask, lse);
 }
@@ -323,6 +325,7 @@ status run(const policy::cpu<Arch>&, const problem&, const tensor_ref<const T>&,
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const band_mask& mask, float* lse) {
+  if (status st = mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return st;
   return cuda_backend::attend(pol, p, q, k, v, o, mask, lse);
 }
 }  // namespace detail

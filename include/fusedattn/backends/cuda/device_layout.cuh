@@ -177,6 +177,9 @@ struct device_block_sparse_mask {
   block_sparse_mask mask;
   block_geometry geometry;
 };
+/// Its score modifiers (kernels/modifiers.hpp binds them here).
+inline bound_mods& mods_ref(device_block_sparse_mask& m) { return m.mask.band.mods; }
+inline const bound_mods& mods_of(const device_block_sparse_mask& m) { return m.mask.band.mods; }
 
 /// The problem-independent checks of a device_block_sparse (attend's validation finds this by argument lookup):
 /// an uploaded layout and a valid element rule. The geometry is checked against the problem before the launch.

@@ -28,6 +28,7 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
   bool flash = false;
   std::string why;
   if (status st = check_device_pointers(q, k, v, o, lse); !st) return refused_plan(st);
+  if (status st = detail::mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return refused_plan(st);
   if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return refused_plan(st);
   if (p.batch == 0 || p.heads == 0 || p.seq_q == 0) {
     plan.kernel = "cuda.none";
