@@ -14,20 +14,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
 export CTEST_OUTPUT_ON_FAILURE=1
+# Each stage header says how long the run has taken so far.
+stage() { echo "== $* (at $((SECONDS / 60)) min $((SECONDS % 60)) s)"; }
 
-echo "== [1/3] Release, C++17: build and ctest"
+stage "[1/3] Release, C++17: build and ctest"
 cmake -S . -B build/ci-release -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_BUILD_BENCH=ON >/dev/null
 cmake --build build/ci-release -j"$jobs"
 ctest --test-dir build/ci-release -j"$jobs" --timeout 600
 
-echo "== [2/3] tests as C++20"
+stage "[2/3] tests as C++20"
 # (the CUDA translation units were compiled in stage 1; nvcc is the slow part, so not again here)
 cmake -S . -B build/ci-cxx20 -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_TEST_STD=20 \
   -DFUSEDATTN_BUILD_BENCH=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF -DFUSEDATTN_WITH_CUDA=OFF >/dev/null
 cmake --build build/ci-cxx20 -j"$jobs"
 ctest --test-dir build/ci-cxx20 -j"$jobs" --timeout 600
 
-echo "== [3/3] install, then build an example out of the tree with find_package(fusedattn)"
+stage "[3/3] install, then build an example out of the tree with find_package(fusedattn)"
 prefix=$PWD/build/ci-prefix
 rm -rf "$prefix" build/ci-consumer build/ci-example
 cmake --install build/ci-release --prefix "$prefix" >/dev/null
@@ -36,7 +38,7 @@ cmake -S build/ci-example -B build/ci-consumer -DCMAKE_BUILD_TYPE=Release -DCMAK
 cmake --build build/ci-consumer -j"$jobs"
 ./build/ci-consumer/example_01_naive_pipeline
 
-echo "== [3b] Python tools: every bench script compiles; the baselines parse (bench/gpu/table.py, bench_json.py)"
+stage "[3b] Python tools: every bench script compiles; the baselines parse (bench/gpu/table.py, bench_json.py)"
 python3 -c 'import sys; [compile(open(f, encoding="utf-8").read(), f, "exec") for f in sys.argv[1:]]' \
   bench/*.py bench/peers/*.py bench/gpu/*.py
 rows=$(PYTHONDONTWRITEBYTECODE=1 python3 bench/gpu/table.py bench/baselines/h200.jsonl bench/baselines/h100.jsonl | wc -l)
@@ -47,7 +49,7 @@ assert bench_json.load("bench/baselines/xeon-gpu-host-cpu.json")[1], "no rows in
 # 3c. The assignment as a student builds it: examples/09_assignment copied out of the tree, built against the
 #     prefix with the reference solution and the wrong kernels of its ci/ folder. Each wrong kernel must make the
 #     harness report a mismatch (exit 1); the reference must pass, be timed, and give a report (report.py).
-echo "== [3c] the assignment copied out of the tree: the harness fails each wrong kernel, passes the reference"
+stage "[3c] the assignment copied out of the tree: the harness fails each wrong kernel, passes the reference"
 rm -rf build/ci-assignment build/ci-assignment-build
 cp -r examples/09_assignment build/ci-assignment
 cmake -S build/ci-assignment -B build/ci-assignment-build -DCMAKE_PREFIX_PATH="$prefix" -DASSIGNMENT_CI_KERNELS=ON >/dev/null
@@ -72,7 +74,7 @@ echo "  reference: passed, timed, report written"
 #    Test cases tagged [heavy] are left out here (FUSEDATTN_TEST_SPEC; ~[.] keeps hidden benchmarks out too).
 #    Built at -O1 with line tables only (-g1): enough for ASan's reports, and a fifth of the compile time of -O2 -g
 #    on the template-heavy test units (tests/test_core.cpp: 49 s against 250 s with g++ 12).
-echo "== [4] sanitizers: ASan + UBSan build of the CPU test suite, ctest"
+stage "[4] sanitizers: ASan + UBSan build of the CPU test suite, ctest"
 cmake --preset sanitize -B build/ci-sanitize -DFUSEDATTN_WITH_CUDA=OFF -DFUSEDATTN_TEST_SPEC='~[.]~[heavy]' \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" >/dev/null
 cmake --build build/ci-sanitize -j"$jobs"
@@ -81,7 +83,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 
 # 5. libFuzzer (clang-14, ASan + UBSan): replay tests/fuzz/corpus, then fuzz for FUZZ_SECONDS (60); a crash fails CI
 #    and leaves the input in build/ci-fuzz/artifacts/.
-echo "== [5] fuzz: tests/fuzz/fuzz_attend for ${FUZZ_SECONDS:-60} s from tests/fuzz/corpus"
+stage "[5] fuzz: tests/fuzz/fuzz_attend for ${FUZZ_SECONDS:-60} s from tests/fuzz/corpus"
 cmake -S . -B build/ci-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++-14 \
   -DFUSEDATTN_BUILD_FUZZ=ON -DFUSEDATTN_WITH_CUDA=OFF -DFUSEDATTN_BUILD_TESTS=OFF -DFUSEDATTN_BUILD_BENCH=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build build/ci-fuzz -j"$jobs" --target fuzz_attend
@@ -92,7 +94,7 @@ UBSAN_OPTIONS=print_stacktrace=1 \
   -artifact_prefix=build/ci-fuzz/artifacts/ -print_final_stats=1 build/ci-fuzz/corpus tests/fuzz/corpus
 # 6. fusedattn/dist over Open MPI: the sharded-attention tests under mpirun -np 1, 2 and 3 (--oversubscribe, and
 #    --allow-run-as-root for CI's root user; one OpenMP thread per rank), then example 13 on 2 ranks.
-echo "== [6] MPI: fusedattn/dist tests and example 13 under mpirun"
+stage "[6] MPI: fusedattn/dist tests and example 13 under mpirun"
 cmake -S . -B build/ci-mpi -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_WITH_MPI=ON -DFUSEDATTN_WITH_CUDA=OFF \
   -DFUSEDATTN_BUILD_BENCH=OFF >/dev/null
 cmake --build build/ci-mpi -j"$jobs" --target test_dist_mpi example_13_context_parallel
@@ -101,6 +103,6 @@ ctest --test-dir build/ci-mpi -L mpi --timeout 300
 #    stand-in toolkit (the transcribed declarations as acl/acl.h and aclnnop/*.h, the recording fake as
 #    libascendcl.so), then a program that takes fusedattn::ascend from find_package runs policy::ascend against
 #    policy::cpu_naive. (test_ascend, in stages 1, 2 and 4, checks the marshalling itself.)
-echo "== [7] Ascend: fusedattn::ascend installed against a stand-in CANN toolkit, used through find_package"
+stage "[7] Ascend: fusedattn::ascend installed against a stand-in CANN toolkit, used through find_package"
 tests/ascend/package/check.sh build/ci-ascend
-echo "run-tests: all passed"
+echo "run-tests: all passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
