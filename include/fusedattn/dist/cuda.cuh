@@ -8,6 +8,7 @@
 #error "fusedattn/dist/cuda.cuh must be compiled by nvcc (a .cu file)"
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -60,15 +61,22 @@ inline status trim_device_buffers() {
 
 namespace detail {
 
-/// dst = src, converted, one thread block per row.
+/// Rows a block of copy_rows_kernel copies at once: one warp per row.
+constexpr int copy_rows_per_block = 8;
+
+/// dst = src, converted: one warp per row (lanes over the row's elements, so a row of 128 half values is one
+/// 256-byte transaction), the blocks striding over rows (a K/V shard has millions of short rows).
 template <class S, class D>
 __global__ void copy_rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst) {
-  const index_t row = blockIdx.x;
-  const index_t i = row % src.dims.s, h = row / src.dims.s % src.dims.h, b = row / src.dims.s / src.dims.h;
-  const S* a = src.row(b, h, i);
-  D* o = dst.row(b, h, i);
-  for (index_t c = threadIdx.x; c < src.dims.d; c += blockDim.x)
-    o[c] = cuda_backend::narrow<D>(cuda_backend::widen(a[c]));
+  const index_t rows = src.dims.b * src.dims.h * src.dims.s;
+  const int lane = threadIdx.x % 32;
+  for (index_t row = index_t(blockIdx.x) * copy_rows_per_block + threadIdx.x / 32; row < rows;
+       row += index_t(gridDim.x) * copy_rows_per_block) {
+    const index_t i = row % src.dims.s, h = row / src.dims.s % src.dims.h, b = row / src.dims.s / src.dims.h;
+    const S* a = src.row(b, h, i);
+    D* o = dst.row(b, h, i);
+    for (index_t c = lane; c < src.dims.d; c += 32) o[c] = cuda_backend::narrow<D>(cuda_backend::widen(a[c]));
+  }
 }
 
 __global__ inline void fill_kernel(float* p, index_t n, float value) {
@@ -114,7 +122,8 @@ class cuda_exec {
     if (rows == 0) return {};
     const tensor_ref<const ES> s{reinterpret_cast<const ES*>(src.data), src.dims, src.stride};
     const tensor_ref<ED> d{reinterpret_cast<ED*>(dst.data), dst.dims, dst.stride};
-    copy_rows_kernel<ES, ED><<<static_cast<unsigned>(rows), 128, 0, stream_>>>(s, d);
+    const index_t blocks = std::min<index_t>((rows + copy_rows_per_block - 1) / copy_rows_per_block, index_t(1) << 20);
+    copy_rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * copy_rows_per_block, 0, stream_>>>(s, d);
     return cuda_backend::last_launch("fusedattn::dist copy");
   }
 
