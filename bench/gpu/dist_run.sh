@@ -35,7 +35,8 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
 GPU_COUNTS=${GPU_COUNTS:-$( [[ $gpus -ge 4 ]] && echo "2 4" || echo "2")}
 export NCCL_NVLS_ENABLE=0
-MPIRUN=(mpirun --oversubscribe --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH)
+MPIRUN=(mpirun --oversubscribe --allow-run-as-root --bind-to none -x LD_LIBRARY_PATH)
+for var in $(compgen -e | grep '^NCCL_'); do MPIRUN+=(-x "$var"); done  # every NCCL_* setting reaches the ranks
 rc=0
 echo "== tests/dist/test_dist_nccl (one process, every GPU here up to 4)"
 "$BIN/test_dist_nccl" 2>&1 | tee "$OUT/test_dist_nccl.log"

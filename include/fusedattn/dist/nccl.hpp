@@ -89,7 +89,14 @@ class nccl_comm {
   status set_up() {
     if (status st = nccl("ncclCommUserRank", ncclCommUserRank(comm_, &rank_)); !st) return st;
     if (status st = nccl("ncclCommCount", ncclCommCount(comm_, &size_)); !st) return st;
-    if (status st = cuda("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking)); !st)
+    // The transfers' stream has the device's highest priority: the flash kernel fills every SM, and the block
+    // scheduler then gives NCCL's blocks the first SM that frees up instead of queueing them behind the grid.
+    int lowest = 0, highest = 0;
+    if (status st = cuda("cudaDeviceGetStreamPriorityRange", cudaDeviceGetStreamPriorityRange(&lowest, &highest)); !st)
+      return st;
+    if (status st = cuda("cudaStreamCreateWithPriority",
+                         cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, highest));
+        !st)
       return st;
     for (cudaEvent_t* e : {&ready_, &done_[0], &done_[1]})
       if (status st = cuda("cudaEventCreateWithFlags", cudaEventCreateWithFlags(e, cudaEventDisableTiming)); !st)
