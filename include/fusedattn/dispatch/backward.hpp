@@ -1,7 +1,7 @@
 /// @file backward.hpp
 /// `attend_backward`: the public entry point of the backward pass (dQ, dK, dV). It validates the call (the
 /// forward's checks plus those of dO, lse and the three gradients), binds the mask and runs the policy's kernel.
-/// CPU flash policies only; the other policies return errc::unsupported.
+/// CPU flash policies and policy::cuda (f16/bf16, backends/cuda/backward.cuh); the others return errc::unsupported.
 #pragma once
 
 #include <string>
@@ -16,6 +16,10 @@
 #include "../kernels/mask.hpp"
 #include "attend.hpp"
 #include "policy.hpp"
+
+#if FUSEDATTN_WITH_CUDA
+#include "../backends/cuda/backward.cuh"  // run_backward for policy::cuda
+#endif
 
 namespace fusedattn {
 
@@ -81,16 +85,16 @@ status run_backward(const policy::cpu<Arch>& pol, const problem& p, const tensor
                     const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
                     const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
                     const tensor_ref<T>& dk, const tensor_ref<T>& dv, const Bound& mask) {
-  if (status st = mods_unsupported(mods_of(mask), "the CPU backward kernel"); !st) return st;
   return kernels::flash_backward<T, Arch, Bound>(p, q, k, v, o, d_o, lse, dq, dk, dv, mask, pol.threads, pol.tiles);
 }
 
-/// Every other policy: no backward kernel.
+/// Every other policy (and policy::cuda in a build without CUDA): no backward kernel.
 template <class Policy, class T, class Bound>
 status run_backward(const Policy&, const problem&, const tensor_ref<const T>&, const tensor_ref<const T>&,
                     const tensor_ref<const T>&, const tensor_ref<const T>&, const tensor_ref<const T>&, const float*,
                     const tensor_ref<T>&, const tensor_ref<T>&, const tensor_ref<T>&, const Bound&) {
-  return {errc::unsupported, "attend_backward runs on the CPU flash policy (policy::cpu<Arch>) only"};
+  return {errc::unsupported, "attend_backward runs on the CPU flash policy (policy::cpu<Arch>) and, in builds with "
+                             "CUDA, on policy::cuda"};
 }
 
 }  // namespace detail
@@ -98,8 +102,10 @@ status run_backward(const Policy&, const problem&, const tensor_ref<const T>&, c
 /// Backward pass of scaled dot-product attention: given the forward's inputs, its output O, its log-sum-exp and
 /// the gradient dO of a loss with respect to O, writes dQ, dK and dV (by recomputation: no S×S matrix is stored).
 ///
-/// @param pol   policy::cpu<Arch>{threads, tiles} (tiles.q / tiles.kv override the backward's tile sizes);
-///              other policies return errc::unsupported.
+/// @param pol   policy::cpu<Arch>{threads, tiles} (tiles.q / tiles.kv override the backward's tile sizes), or
+///              policy::cuda{stream} (device pointers; f16 and bf16, head_dim a multiple of 8 up to 128, 16-byte
+///              aligned views; asynchronous on the stream; no score modifiers yet); other policies return
+///              errc::unsupported.
 /// @param p     the forward's problem (sizes and scale).
 /// @param q, k, v  the forward's inputs; @param o the forward's output; @param d_o dL/dO, shaped like o.
 /// @param lse   the forward's log-sum-exp, b·h·seq_q floats laid out [b][h][i] (natural log), not null; a row with
@@ -107,7 +113,9 @@ status run_backward(const Policy&, const problem&, const tensor_ref<const T>&, c
 /// @param dq, dk, dv  outputs shaped like q, k, v; GQA / MQA sum dK and dV over the query heads of a kv head.
 ///              They must not overlap each other, an input or lse, and none may have two rows on the same memory.
 /// @param mask  the forward's mask: dense{}, causal{align}, window{left, right, align}, block_sparse{layout} or
-///              an any_mask.
+///              an any_mask, with the forward's score modifiers (`mask | fa::softcap{cap} | fa::alibi{slopes} |
+///              fa::sinks{logits, grad}`): softcap and ALiBi are recomputed; with sinks, `grad` (when not null)
+///              receives dL/d logits, heads floats, summed over batch and rows in a fixed order.
 /// Bitwise identical results for any thread count. NaN: docs/design.md, "Numerics" (backward).
 /// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a policy
 ///         without a backward kernel or an arch this CPU lacks, errc::out_of_memory when scratch cannot be

@@ -1,0 +1,607 @@
+/// @file backward.cuh
+/// The backward pass of attention on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16
+/// and bf16: dQ, dK, dV by recomputation, FlashAttention-2 style, every band mask and block-sparse layouts, GQA/MQA.
+/// Included by dispatch/backward.hpp when FUSEDATTN_WITH_CUDA is 1 (nvcc only).
+///
+/// Three kernels on the call's stream, no atomics (results are bitwise the same on every run):
+///   1. backward_delta_kernel: δ_i = Σ_c dO[i][c]·O[i][c] per query row (f32 scratch; 0 for a row that saw no key).
+///   2. backward_dkdv_kernel: one block per (kv tile, kv head, batch); each warp owns 16 keys and keeps their dK and
+///      dV in registers while the block walks the query heads of the group and, per head, the q tiles that see the
+///      kv tile (the column walk: mask.q_range, mask.sees), Q, dO, lse and δ of the next q tile streaming in during
+///      the current one. Per q tile, with the scores kept transposed (keys are the mma rows):
+///        Sᵀ = K·Qᵀ,  Pᵀ = 2^(scale·log2e·Sᵀ − lse·log2e),  dV += Pᵀ·dO,  dPᵀ = V·dOᵀ,  dSᵀ = Pᵀ∘(dPᵀ − δ),  dK += dSᵀ·Q
+///      and dK·scale, dV are stored once, summed over the group in ascending head order.
+///   3. backward_dq_kernel: one block per (q tile, head, batch), the forward's walk over the mask's key tiles (two
+///      K/V buffers); per tile S = Q·Kᵀ, P, dP = dO·Vᵀ, dS = P∘(dP − δ), dQ += dS·K, and dQ·scale is stored once.
+/// dQ by a kernel of its own recomputes S and dP once more (7 GEMMs of the head's size instead of 5), in exchange
+/// for no f32 scratch of dQ and no ordered or atomic accumulation across kv tiles.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "fusedattn's CUDA backend must be compiled by nvcc (a .cu file)"
+#endif
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "../../core/problem.hpp"
+#include "../../core/status.hpp"
+#include "../../core/tensor.hpp"
+#include "../../dispatch/policy.hpp"
+#include "../../kernels/block_sparse.hpp"
+#include "../../kernels/mask.hpp"
+#include "../../kernels/modifiers.hpp"
+#include "attend_cuda.cuh"
+#include "device_layout.cuh"
+#include "device_types.cuh"
+#include "error.cuh"
+#include "flash.cuh"
+#include "head_mask.cuh"
+#include "mma.cuh"
+#include "scratch.cuh"
+
+namespace fusedattn {
+namespace cuda_backend {
+
+/// Everything the backward kernels need, by value. Strides in elements; `Mask` is band_mask or a block_sparse_mask
+/// whose arrays are in device memory.
+template <class Mask>
+struct backward_params_t {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* d_o;
+  const float* lse;  ///< [b][h][i], natural log; −inf: the row saw no key
+  void* dq;
+  void* dk;
+  void* dv;
+  strides4 q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride, dv_stride;
+  int batch, heads, heads_kv, group, seq_q, seq_kv, head_dim;
+  float scale;       ///< softmax scale
+  float scale_log2;  ///< softmax scale · log2(e)
+  float* delta;      ///< [b][h][i] scratch: δ (backward_delta_kernel)
+  Mask mask;
+};
+
+/// Tile shape of the backward kernels for a tile width `HeadDim` (a multiple of 32; a narrower head_dim that is a
+/// multiple of 8 runs the next wider tile with the columns past it read as zeros and not stored). 4 warps; the
+/// dK/dV kernel: 64 keys a block (16 a warp), q tiles of 64 rows (two buffers of Q, dO, lse and δ); the dQ kernel:
+/// 64 query rows a block (16 a warp), key tiles of 64 (two K/V buffers). At head_dim 128 either kernel takes
+/// 97 KB of shared memory (under the 99 KB a block gets on sm_86 / sm_89; two blocks per multiprocessor on sm_90).
+template <int HeadDim>
+struct backward_tile {
+  static constexpr int head_dim = HeadDim;
+  static constexpr int chunks = HeadDim / 8;  ///< 16-byte chunks per row
+  static constexpr int warps = 4;
+  static constexpr int threads = 32 * warps;
+  static constexpr int block_kv = 16 * warps;  ///< keys a dK/dV block owns; keys per tile of the dQ kernel
+  static constexpr int block_q = 64;           ///< q rows per tile of the dK/dV kernel; rows a dQ block owns
+  static_assert(block_q == 16 * warps, "the dQ kernel's warps own 16 rows each");
+  /// K, V; Q, dO twice; lse·log2e and δ twice.
+  static constexpr int dkdv_smem = (2 * block_kv + 4 * block_q) * HeadDim * 2 + 4 * block_q * int(sizeof(float));
+  /// Q, dO; K, V twice.
+  static constexpr int dq_smem = (2 * block_q + 4 * block_kv) * HeadDim * 2;
+  static_assert(HeadDim % 32 == 0, "the swizzle needs rows of a multiple of four 16-byte chunks");
+};
+
+/// The tile widths the backward kernels have, ascending.
+inline constexpr int backward_max_head_dim = 128;
+inline constexpr const char* backward_head_dims_text = "every multiple of 8 up to 128";
+
+/// `f(backward_tile<W>{})` for the narrowest W in {32, 64, 96, 128} at least head_dim, or `otherwise` when head_dim
+/// is not a multiple of 8 in [8, 128].
+template <class R, class F>
+R with_backward_tile(index_t head_dim, R otherwise, F&& f) {
+  if (head_dim < 8 || head_dim % 8 != 0 || head_dim > backward_max_head_dim) return otherwise;
+  if (head_dim <= 32) return f(backward_tile<32>{});
+  if (head_dim <= 64) return f(backward_tile<64>{});
+  if (head_dim <= 96) return f(backward_tile<96>{});
+  return f(backward_tile<128>{});
+}
+
+/// δ of each query row: one warp a row, eight rows a block; the warp's sum is reduced in a fixed order. A row that
+/// saw no key (lse = −inf) gets δ = 0, so that its P = 0 gives dS = 0 whatever its O holds.
+template <class E, class Mask>
+__global__ void __launch_bounds__(256) backward_delta_kernel(const backward_params_t<Mask> p) {
+  const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
+  const index_t r = index_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const index_t i = r % p.seq_q, h = (r / p.seq_q) % p.heads, b = r / (index_t(p.seq_q) * p.heads);
+  const E* o = static_cast<const E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
+  const E* d = static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + i * p.do_stride.s;
+  float sum = 0.f;
+  for (int c = lane; c < p.head_dim; c += 32) sum = fmaf(widen(o[c]), widen(d[c]), sum);
+#pragma unroll
+  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+  if (lane == 0) p.delta[r] = p.lse[r] == -INFINITY ? 0.f : sum;
+}
+
+/// The column walk of one dK/dV block: the (query head, q tile) pairs whose tile of `BM` rows sees keys
+/// [k0, k1) of kv head h_kv, query heads ascending, q tiles ascending (mask.q_range gives the candidates, mask.sees
+/// keeps those with an allowed element).
+template <class Mask, int BM>
+struct column_walk {
+  const backward_params_t<Mask>& p;
+  int b, h, h_end, qt, qt_end, k0, k1;
+  __device__ __forceinline__ column_walk(const backward_params_t<Mask>& params, int batch, int h_kv, int key0,
+                                         int key1)
+      : p(params), b(batch), h(h_kv * params.group - 1), h_end((h_kv + 1) * params.group), qt(0), qt_end(0),
+        k0(key0), k1(key1) {}
+  /// The next pair (head, first row of the q tile); false when the walk is over.
+  __device__ __forceinline__ bool next(int& head, int& q0) {
+    for (;;) {
+      while (qt < qt_end) {
+        const int t = qt++;
+        const int r0 = t * BM, r1 = r0 + BM < p.seq_q ? r0 + BM : p.seq_q;
+        if (head_mask(p.mask, b, h).sees(r0, r1, k0, k1)) {
+          head = h;
+          q0 = r0;
+          return true;
+        }
+      }
+      if (++h >= h_end) return false;
+      const kv_span rows = head_mask(p.mask, b, h).q_range(k0, k1);
+      qt = rows.empty() ? 0 : int(rows.begin / BM);
+      qt_end = rows.empty() ? 0 : int((rows.end + BM - 1) / BM);
+    }
+  }
+};
+
+/// Whether key j of a block-sparse q tile starting at row q0 lies in a listed block (a band has no blocks: true).
+__device__ __forceinline__ bool key_listed(const band_mask&, int, int) { return true; }
+__device__ __forceinline__ bool key_listed(const block_sparse_mask& m, int q0, int j) {
+  return j < m.seq_kv && m.find(q0 / m.block_q, j / m.block_kv) >= 0;
+}
+
+/// Stores a thread's part of a 16-row accumulator tile (rows `row0` + g and + 8, columns 2t, 2t + 1 of each 8-wide
+/// tile) times `factor` to rows [.., rows) and columns [.., cols) of `out` (row stride `stride`).
+template <class E, int D>
+__device__ __forceinline__ void store_rows(E* out, index_t stride, const float (&acc)[D / 8][4], int row0, int rows,
+                                           int cols, float factor, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int c = n * 8 + 2 * t;
+      if (c < cols)
+        *reinterpret_cast<std::uint32_t*>(out + row * stride + c) =
+            mma_type<E>::pack(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+    }
+  }
+}
+
+/// c (16 × N per warp, N/8 accumulator tiles) += A (16 rows of a swizzled [row][D] tile from row `a_row`) · Bᵀ,
+/// B the rows [0, N) of a swizzled [row][D] tile: the product of two row-major tiles over their D columns.
+template <class E, int D, int N>
+__device__ __forceinline__ void mma_abt(float (&c)[N / 8][4], const E* a_tile, int a_row, const E* b_tile, int lane) {
+  constexpr int CH = D / 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    std::uint32_t a[4];
+    ldmatrix_x4(a, a_tile + swizzle<CH>(a_row + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      std::uint32_t bf[4];
+      ldmatrix_x4(bf, b_tile + swizzle<CH>(np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+      mma_16816<E>(c[2 * np], a, bf[0], bf[1]);
+      mma_16816<E>(c[2 * np + 1], a, bf[2], bf[3]);
+    }
+  }
+}
+
+/// c (16 × D) += A (16 × K, packed 16-bit fragments from accumulators: pk[n][r] holds row g + 8r, columns 2t, 2t + 1
+/// of the n-th 8-wide tile) · B (rows [0, K) of a swizzled [K][D] tile).
+template <class E, int D, int K>
+__device__ __forceinline__ void mma_packed_b(float (&c)[D / 8][4], const std::uint32_t (&pk)[K / 8][2],
+                                             const E* b_tile, int lane) {
+  constexpr int CH = D / 8;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      std::uint32_t bf[4];
+      ldmatrix_x4_trans(bf, b_tile + swizzle<CH>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+      mma_16816<E>(c[2 * dp], a, bf[0], bf[1]);
+      mma_16816<E>(c[2 * dp + 1], a, bf[2], bf[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&c)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+/// dK and dV of one kv tile: see the file comment (2.).
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const backward_params_t<Mask> p) {
+  constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
+  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr float log2e = 1.4426950408889634f;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  E* sk = reinterpret_cast<E*>(smem_raw);            // [BN][D] swizzled
+  E* sv = sk + BN * D;                               // [BN][D]
+  E* sq = sv + BN * D;                               // [2][BM][D]
+  E* sdo = sq + 2 * BM * D;                          // [2][BM][D]
+  float* s_lse = reinterpret_cast<float*>(sdo + 2 * BM * D);  // [2][BM]: lse·log2e, +inf for rows without keys
+  float* s_delta = s_lse + 2 * BM;                            // [2][BM]
+
+  const int h_kv = blockIdx.y, b = blockIdx.z;
+  const int k0 = blockIdx.x * BN, k1 = k0 + BN < p.seq_kv ? k0 + BN : p.seq_kv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kw = warp * 16;  // the warp's first key in the tile
+  const int cols_ch = p.head_dim / 8;
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  load_tile<Tile, BN>(sk, k_head + k0 * p.k_stride.s, p.k_stride.s, k1 - k0, cols_ch);
+  load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, k1 - k0, cols_ch);
+
+  // Q, dO (cp.async) and the rows' lse·log2e and δ (plain stores, seen after the next barrier) of one q tile.
+  const auto load_q_tile = [&](int stage, int h, int q0) {
+    const int rows = q0 + BM < p.seq_q ? BM : p.seq_q - q0;
+    load_tile<Tile, BM>(sq + stage * BM * D,
+                        static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                        p.q_stride.s, rows, cols_ch);
+    load_tile<Tile, BM>(sdo + stage * BM * D,
+                        static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                        p.do_stride.s, rows, cols_ch);
+    for (int r = threadIdx.x; r < BM; r += Tile::threads) {
+      const index_t row = (index_t(b) * p.heads + h) * p.seq_q + q0 + r;
+      const float l = r < rows ? p.lse[row] : -INFINITY;
+      s_lse[stage * BM + r] = l == -INFINITY ? INFINITY : l * log2e;
+      s_delta[stage * BM + r] = l == -INFINITY ? 0.f : p.delta[row];
+    }
+  };
+
+  column_walk<Mask, BM> walk(p, b, h_kv, k0, k1);
+  int h = 0, q0 = 0;
+  bool have = walk.next(h, q0);
+  if (have) load_q_tile(0, h, q0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero_acc(dk);
+  zero_acc(dv);
+  for (int stage = 0; have; stage ^= 1) {
+    int h_next = 0, q_next = 0;
+    const bool have_next = walk.next(h_next, q_next);
+    cp_async_wait<0>();
+    __syncthreads();  // this stage landed; every warp is done with the other one
+    if (have_next) {
+      load_q_tile(stage ^ 1, h_next, q_next);
+      cp_async_commit();
+    }
+    const E* sq_t = sq + stage * BM * D;
+    const E* sdo_t = sdo + stage * BM * D;
+    const float* lse_t = s_lse + stage * BM;
+    const float* delta_t = s_delta + stage * BM;
+    const Mask mask = head_mask(p.mask, b, h);
+    const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+    const bool partial = mask.is_partial(q0, q1, k0, k1);
+
+    // Sᵀ (16 keys × BM rows) = K·Qᵀ; then Pᵀ in place (masked entries and rows without keys exactly 0).
+    float s[BM / 8][4];
+    zero_acc(s);
+    mma_abt<E, D, BM>(s, sk, kw, sq_t, lane);
+    if (partial) {
+      const band32 rule = element_rule(mask);
+      bool listed[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) listed[r] = key_listed(mask, q0, k0 + kw + g + 8 * r);
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = q0 + n * 8 + 2 * t + (e & 1), j = k0 + kw + g + 8 * (e / 2);
+          if (!(rule.allowed(i, j) && (band || listed[e / 2]))) s[n][e] = -INFINITY;
+        }
+    }
+    std::uint32_t pk[BM / 8][2];
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+      const float l0 = lse_t[n * 8 + 2 * t], l1 = lse_t[n * 8 + 2 * t + 1];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -l0));
+        s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -l1));
+        pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
+      }
+    }
+    // dV (16 keys × D) += Pᵀ·dO.
+    mma_packed_b<E, D, BM>(dv, pk, sdo_t, lane);
+    // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ∘(dPᵀ − δ), packed over Pᵀ's fragments.
+    {
+      float dp[BM / 8][4];
+      zero_acc(dp);
+      mma_abt<E, D, BM>(dp, sv, kw, sdo_t, lane);
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n) {
+        const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          pk[n][r] = mma_type<E>::pack(s[n][2 * r] * (dp[n][2 * r] - d0), s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1));
+      }
+    }
+    // dK (16 keys × D) += dSᵀ·Q.
+    mma_packed_b<E, D, BM>(dk, pk, sq_t, lane);
+    h = h_next;
+    q0 = q_next;
+    have = have_next;
+  }
+  cp_async_wait<0>();  // a block whose walk is empty still has its K/V copies in flight
+
+  E* dk_head = static_cast<E*>(p.dk) + b * p.dk_stride.b + h_kv * p.dk_stride.h + index_t(k0) * p.dk_stride.s;
+  E* dv_head = static_cast<E*>(p.dv) + b * p.dv_stride.b + h_kv * p.dv_stride.h + index_t(k0) * p.dv_stride.s;
+  store_rows<E, D>(dk_head, p.dk_stride.s, dk, kw, k1 - k0, p.head_dim, p.scale, g, t);
+  store_rows<E, D>(dv_head, p.dv_stride.s, dv, kw, k1 - k0, p.head_dim, 1.f, g, t);
+}
+
+/// dQ of one q tile: see the file comment (3.).
+template <class E, class Tile, class Mask>
+__global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backward_params_t<Mask> p) {
+  constexpr int D = Tile::head_dim, BM = Tile::block_q, BN = Tile::block_kv;
+  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr float log2e = 1.4426950408889634f;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled
+  E* sdo = sq + BM * D;                    // [BM][D]
+  E* sk = sdo + BM * D;                    // [2][BN][D]
+  E* sv = sk + 2 * BN * D;                 // [2][BN][D]
+
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x), h = blockIdx.y, b = blockIdx.z;
+  const int h_kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  const int wr = warp * 16;  // the warp's first row in the tile
+  const int w0 = q0 + wr, w1 = w0 + 16 < p.seq_q ? w0 + 16 : p.seq_q;
+  const int cols_ch = p.head_dim / 8;
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
+
+  const Mask mask = head_mask(p.mask, b, h);
+  key_tiles<Mask, BN> tiles(mask, q0, q1);
+  const band32 rule = element_rule(mask);
+  const int k_first = tiles.first(0, 1);
+
+  load_tile<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                      p.q_stride.s, q1 - q0, cols_ch);
+  load_tile<Tile, BM>(sdo, static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                      p.do_stride.s, q1 - q0, cols_ch);
+  if (k_first >= 0) {
+    const int rows = rows_left(k_first, p.seq_kv, BN);
+    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+    load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+  }
+  cp_async_commit();
+
+  // This thread's rows w0 + g and w0 + g + 8: lse·log2e (+inf for a row without keys or past seq_q: P = 0) and δ.
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = w0 + g + 8 * r;
+    const index_t row = (index_t(b) * p.heads + h) * p.seq_q + i;
+    const float l = i < p.seq_q ? p.lse[row] : -INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * log2e;
+    dlt[r] = l == -INFINITY ? 0.f : p.delta[row];
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float dq[D / 8][4];
+  zero_acc(dq);
+  for (int k0 = k_first, k_next = -1, stage = 0; k0 >= 0; k0 = k_next, stage ^= 1) {
+    const int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;  // before next() moves on
+    const E* sk_t = sk + stage * BN * D;
+    const E* sv_t = sv + stage * BN * D;
+    k_next = tiles.next(k0);
+    if (k_next >= 0) {
+      const int rows = rows_left(k_next, p.seq_kv, BN);
+      load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+      load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+      cp_async_commit();
+    }
+
+    // S (16 rows × BN) = Q·Kᵀ; masked entries −inf (tiles past a segment's edge, or cut by the band or seq_kv).
+    float s[BN / 8][4];
+    zero_acc(s);
+    mma_abt<E, D, BN>(s, sq, wr, sk_t, lane);
+    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
+    if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = w0 + g + 8 * (e / 2), j = k0 + n * 8 + 2 * t + (e & 1);
+          bool ok = rule.allowed(i, j);
+          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
+          if (!ok) s[n][e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+
+    // dP = dO·Vᵀ; dS = P∘(dP − δ), packed; dQ += dS·K.
+    std::uint32_t pk[BN / 8][2];
+    {
+      float dp[BN / 8][4];
+      zero_acc(dp);
+      mma_abt<E, D, BN>(dp, sdo, wr, sv_t, lane);
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          pk[n][r] = mma_type<E>::pack(s[n][2 * r] * (dp[n][2 * r] - dlt[r]),
+                                       s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]));
+    }
+    mma_packed_b<E, D, BN>(dq, pk, sk_t, lane);
+    cp_async_wait<0>();
+    __syncthreads();  // the next tile landed; every warp is done with this one's buffers
+  }
+
+  E* dq_head = static_cast<E*>(p.dq) + b * p.dq_stride.b + h * p.dq_stride.h + index_t(q0) * p.dq_stride.s;
+  store_rows<E, D>(dq_head, p.dq_stride.s, dq, wr, q1 - q0, p.head_dim, p.scale, g, t);
+}
+
+/// The backward kernels' limits for a call: errc::unsupported naming what does not fit, else ok.
+template <class T>
+status backward_applies(const problem& p, const tensor_ref<const T>* const (&in)[5], const tensor_ref<T>* const (&out)[3]) {
+  using E = device_t<T>;
+  if (!std::is_same_v<E, __half> && !std::is_same_v<E, __nv_bfloat16>)
+    return {errc::unsupported,
+            std::string("the CUDA backward kernel takes f16 and bf16; this call is ") + scalar_name<T>()};
+  if (!with_backward_tile(p.head_dim, false, [](auto) { return true; }))
+    return {errc::unsupported, "problem.head_dim is " + std::to_string(p.head_dim) +
+                                   "; the CUDA backward kernel takes " + backward_head_dims_text};
+  bool aligned = true;
+  for (const auto* x : in) aligned = aligned && flash_aligned(*x);
+  for (const auto* x : out) aligned = aligned && flash_aligned(*x);
+  if (!aligned)
+    return {errc::unsupported, "the CUDA backward kernel needs 16-byte aligned data and row/head/batch strides that "
+                               "are multiples of 8 elements for q, k, v, o, d_o, dq, dk and dv"};
+  if (device_major() < 8) return {errc::unsupported, "the CUDA backward kernel needs compute capability 8.0 or newer"};
+  return flash_grid_fits(p);
+}
+
+/// A block-sparse layout must keep every 64-row q tile in one q-block row.
+inline status backward_fits_mask(const band_mask&) { return {}; }
+inline status backward_fits_mask(const block_sparse_mask& m) {
+  constexpr int rows = backward_tile<64>::block_q;
+  if (m.block_q % rows == 0) return {};
+  return {errc::unsupported, "the CUDA backward kernel needs block_sparse's block_q to be a multiple of " +
+                                 std::to_string(rows) + " (its q tile); block_q is " + std::to_string(m.block_q)};
+}
+
+/// Launches the three kernels for a validated call whose pointers are device memory and which backward_applies
+/// accepted. `mask`: band, or block-sparse with device arrays.
+template <class T, class Mask>
+status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                    const tensor_ref<const T>& v, const tensor_ref<const T>& o, const tensor_ref<const T>& d_o,
+                    const float* lse, const tensor_ref<T>& dq, const tensor_ref<T>& dk, const tensor_ref<T>& dv,
+                    const Mask& mask, cudaStream_t stream) {
+  using E = device_t<T>;
+  if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
+    constexpr double log2e = 1.4426950408889634;
+    backward_params_t<Mask> bp{q.data, k.data, v.data, o.data, d_o.data, lse, dq.data, dk.data, dv.data,
+                               q.stride, k.stride, v.stride, o.stride, d_o.stride, dq.stride, dk.stride, dv.stride,
+                               int(p.batch), int(p.heads), int(p.heads_kv), int(p.group_size()), int(p.seq_q),
+                               int(p.seq_kv), int(p.head_dim), static_cast<float>(p.softmax_scale()),
+                               static_cast<float>(p.softmax_scale() * log2e), nullptr, mask};
+    const index_t rows = p.batch * p.heads * p.seq_q;
+    scratch_arena arena(stream);
+    if (rows > 0) {
+      if (status st = arena.allocate(bp.delta, rows, "backward: delta rows"); !st) return st;
+      backward_delta_kernel<E, Mask><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(bp);
+      if (status st = last_launch("backward_delta_kernel"); !st) return st;
+    }
+    const status no_tile{errc::unsupported, "problem.head_dim: the CUDA backward kernel has no tile for it"};
+    return with_backward_tile(p.head_dim, no_tile, [&](auto tile) -> status {
+      using Tile = decltype(tile);
+      if (p.seq_kv > 0) {
+        const auto kernel = backward_dkdv_kernel<E, Tile, Mask>;
+        if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       Tile::dkdv_smem),
+                                  "cudaFuncSetAttribute(backward_dkdv_kernel)");
+            !st)
+          return st;
+        const dim3 grid(unsigned((p.seq_kv + Tile::block_kv - 1) / Tile::block_kv), unsigned(p.heads_kv),
+                        unsigned(p.batch));
+        kernel<<<grid, Tile::threads, Tile::dkdv_smem, stream>>>(bp);
+        if (status st = last_launch("backward_dkdv_kernel"); !st) return st;
+      }
+      if (p.seq_q > 0) {
+        const auto kernel = backward_dq_kernel<E, Tile, Mask>;
+        if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       Tile::dq_smem),
+                                  "cudaFuncSetAttribute(backward_dq_kernel)");
+            !st)
+          return st;
+        const dim3 grid(unsigned((p.seq_q + Tile::block_q - 1) / Tile::block_q), unsigned(p.heads),
+                        unsigned(p.batch));
+        kernel<<<grid, Tile::threads, Tile::dq_smem, stream>>>(bp);
+        if (status st = last_launch("backward_dq_kernel"); !st) return st;
+      }
+      return {};
+    });
+  } else {
+    return {errc::unsupported,
+            std::string("the CUDA backward kernel takes f16 and bf16; this call is ") + scalar_name<T>()};
+  }
+}
+
+/// policy::cuda's backward after validation: refusals (modifiers, device pointers, types, head_dim, alignment,
+/// block-sparse geometry), then the launch on the policy's stream. Nothing is launched for a zero batch or heads.
+template <class T, class Mask>
+status backward(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
+                const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
+                const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq, const tensor_ref<T>& dk,
+                const tensor_ref<T>& dv, const Mask& mask) {
+  if (status st = detail::mods_unsupported(mods_of(mask), "the CUDA backward kernel"); !st) return st;
+  const tensor_ref<const T>* const in[5] = {&q, &k, &v, &o, &d_o};
+  const tensor_ref<T>* const out[3] = {&dq, &dk, &dv};
+  const char* in_name[5] = {"q", "k", "v", "o", "d_o"};
+  const char* out_name[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 5; ++i)
+    if (in[i]->data != nullptr)
+      if (status st = check_device_pointer(in[i]->data, in_name[i]); !st) return st;
+  for (int i = 0; i < 3; ++i)
+    if (out[i]->data != nullptr)
+      if (status st = check_device_pointer(out[i]->data, out_name[i]); !st) return st;
+  if (status st = check_device_pointer(lse, "lse"); !st) return st;
+  if (status st = backward_applies(p, in, out); !st) return st;
+  if (status st = backward_fits_mask(mask); !st) return st;
+  if (p.batch == 0 || p.heads == 0) return {};
+  return run_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, mask, static_cast<cudaStream_t>(pol.stream));
+}
+
+}  // namespace cuda_backend
+
+namespace detail {
+
+/// policy::cuda, band masks.
+template <class T>
+status run_backward(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
+                    const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
+                    const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
+                    const tensor_ref<T>& dk, const tensor_ref<T>& dv, const band_mask& mask) {
+  return cuda_backend::backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
+}
+/// policy::cuda, block_sparse{layout}: the layout (host arrays) is copied to the device first.
+template <class T>
+status run_backward(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
+                    const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
+                    const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
+                    const tensor_ref<T>& dk, const tensor_ref<T>& dv, const block_sparse_mask& mask) {
+  if (status st = mods_unsupported(mods_of(mask), "the CUDA backward kernel"); !st) return st;
+  // A zero extent: no element is allowed, so the layout's element rule alone gives the zeros to write (no copy).
+  if (p.batch == 0 || p.heads == 0 || p.seq_q == 0 || p.seq_kv == 0)
+    return cuda_backend::backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask.band);
+  const auto stream = static_cast<cudaStream_t>(pol.stream);
+  cuda_backend::scratch_arena arena(stream);
+  block_sparse_mask on_device;
+  if (status st = cuda_backend::layout_to_device(mask, arena, stream, on_device); !st) return st;
+  return cuda_backend::backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, on_device);
+}
+/// policy::cuda with a layout already on the device (cuda::device_block_sparse): its geometry is checked first.
+template <class T>
+status run_backward(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
+                    const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
+                    const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
+                    const tensor_ref<T>& dk, const tensor_ref<T>& dv, const cuda::device_block_sparse_mask& mask) {
+  if (status st = cuda::check_geometry(mask.geometry, p); !st) return st;
+  return cuda_backend::backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask.mask);
+}
+
+}  // namespace detail
+}  // namespace fusedattn
