@@ -1,0 +1,335 @@
+// The CUDA backward pass (attend_backward on policy::cuda) against the float64 closed-form gradient: f16 and bf16,
+// every band mask and tail, GQA / MQA, head_dims 32-128 (and padded ones), strided views, block-sparse layouts
+// (copied per call and uploaded), bitwise determinism across runs, zero extents and bad input refused with nothing
+// written.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backward_entry.hpp"
+#include "gpu_entry.hpp"
+#include "support/check.hpp"
+#include "support/oracle_backward.hpp"
+
+using namespace fusedattn;
+using namespace fusedattn::testing;
+
+namespace {
+
+/// One backward case: q, k, v, dO random; O and lse from the CPU forward; dQ, dK, dV filled with a sentinel.
+template <class T>
+struct bwd_case {
+  problem p;
+  operand<T> q, k, v, o, d_o, dq, dk, dv;
+  std::vector<float> lse;
+  bwd_case(const problem& pr, layout l, std::mt19937_64& rng)
+      : p(pr), q(pr.q_dims(), l), k(pr.kv_dims(), l), v(pr.kv_dims(), l), o(pr.o_dims(), l), d_o(pr.o_dims(), l),
+        dq(pr.q_dims(), l), dk(pr.kv_dims(), l), dv(pr.kv_dims(), l),
+        lse(static_cast<std::size_t>(pr.lse_size()), 123.0f) {
+    q.fill(rng);
+    k.fill(rng);
+    v.fill(rng);
+    d_o.fill(rng);
+    o.fill(rng, 7.0, 9.0);
+    for (operand<T>* g : {&dq, &dk, &dv}) g->fill(rng, 7.0, 9.0);
+  }
+  void forward(const any_mask& mask) {
+    const status st = attend(policy::cpu<>{2}, p, q.cview(), k.cview(), v.cview(), o.view, mask, lse.data());
+    INFO(st.what());
+    REQUIRE(st.ok());
+  }
+};
+
+/// Device copies of a case's buffers and the views over them; `read` copies dQ, dK, dV back into the case.
+template <class T>
+struct bwd_device {
+  bwd_case<T>& c;
+  gpu::device_buffer<T> q, k, v, o, d_o, dq, dk, dv;
+  gpu::device_buffer<float> lse;
+  explicit bwd_device(bwd_case<T>& ca)
+      : c(ca), q(ca.q.buf), k(ca.k.buf), v(ca.v.buf), o(ca.o.buf), d_o(ca.d_o.buf), dq(ca.dq.buf), dk(ca.dk.buf),
+        dv(ca.dv.buf), lse(ca.lse) {}
+  bool ok() const {
+    return q.ok() && k.ok() && v.ok() && o.ok() && d_o.ok() && dq.ok() && dk.ok() && dv.ok() && lse.ok();
+  }
+  template <class U>
+  static tensor_ref<const T> in(const operand<T>& x, const gpu::device_buffer<U>& d) {
+    return gpu::on_device<const T>(x.cview(), x.buf.data(), d.data());
+  }
+  template <class U>
+  static tensor_ref<T> out(const operand<T>& x, const gpu::device_buffer<U>& d) {
+    return gpu::on_device<T>(x.view, x.buf.data(), d.data());
+  }
+  status run(const any_mask& mask, bool uploaded = false) {
+    if (uploaded)
+      return gpu::attend_backward_cuda_uploaded<T>(c.p, in(c.q, q), in(c.k, k), in(c.v, v), in(c.o, o),
+                                                   in(c.d_o, d_o), lse.data(), out(c.dq, dq), out(c.dk, dk),
+                                                   out(c.dv, dv), std::get<block_sparse>(mask));
+    return gpu::attend_backward_cuda<T>(c.p, in(c.q, q), in(c.k, k), in(c.v, v), in(c.o, o), in(c.d_o, d_o),
+                                        lse.data(), out(c.dq, dq), out(c.dk, dk), out(c.dv, dv), mask);
+  }
+  void read() {
+    dq.copy_to(c.dq.buf);
+    dk.copy_to(c.dk.buf);
+    dv.copy_to(c.dv.buf);
+  }
+};
+
+/// The plain same-precision implementation of a tensor-core backward: the closed form in f32 from the stored O and
+/// lse, with P and dS rounded to T where they enter a product (as the 16-bit mma operands are), each gradient
+/// rounded to T. FlashAttention's rule measures a kernel's error against this one's.
+template <class T, class Mask>
+reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                                  const tensor_ref<const T>& v, const tensor_ref<const T>& o,
+                                  const tensor_ref<const T>& d_o, const float* lse, const Mask& mask) {
+  const index_t d = p.head_dim;
+  reference_grads g{std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * d)),
+                    std::vector<double>(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * d)),
+                    std::vector<double>(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * d)),
+                    {}};
+  const float scale = static_cast<float>(p.softmax_scale());
+  const auto r16 = [](float x) { return static_cast<float>(static_cast<T>(x)); };
+  std::vector<float> dk(g.dk.size(), 0.f), dv(g.dv.size(), 0.f), dq(static_cast<std::size_t>(d));
+  for (index_t b = 0; b < p.batch; ++b)
+    for (index_t h = 0; h < p.heads; ++h) {
+      const index_t hk = h / p.group_size();
+      const auto hm = for_head(mask, b, h);
+      for (index_t i = 0; i < p.seq_q; ++i) {
+        std::fill(dq.begin(), dq.end(), 0.f);
+        const float l = lse[(b * p.heads + h) * p.seq_q + i];
+        const T* qi = q.row(b, h, i);
+        const T* doi = d_o.row(b, h, i);
+        if (l != -std::numeric_limits<float>::infinity()) {
+          float delta = 0;
+          for (index_t c = 0; c < d; ++c) delta += static_cast<float>(doi[c]) * static_cast<float>(o.row(b, h, i)[c]);
+          for (index_t j = 0; j < p.seq_kv; ++j) {
+            if (!hm.allowed(i, j)) continue;
+            const T* kj = k.row(b, hk, j);
+            const T* vj = v.row(b, hk, j);
+            float s = 0, dp = 0;
+            for (index_t c = 0; c < d; ++c) {
+              s += static_cast<float>(qi[c]) * static_cast<float>(kj[c]);
+              dp += static_cast<float>(doi[c]) * static_cast<float>(vj[c]);
+            }
+            const float pij = std::exp(scale * s - l);
+            const float ds = r16(pij * (dp - delta));
+            const float p16 = r16(pij);
+            const std::size_t kr = static_cast<std::size_t>(((b * p.heads_kv + hk) * p.seq_kv + j) * d);
+            for (index_t c = 0; c < d; ++c) {
+              dq[static_cast<std::size_t>(c)] += ds * static_cast<float>(kj[c]);
+              dk[kr + static_cast<std::size_t>(c)] += ds * static_cast<float>(qi[c]);
+              dv[kr + static_cast<std::size_t>(c)] += p16 * static_cast<float>(doi[c]);
+            }
+          }
+        }
+        const std::size_t qr = static_cast<std::size_t>(((b * p.heads + h) * p.seq_q + i) * d);
+        for (index_t c = 0; c < d; ++c)
+          g.dq[qr + static_cast<std::size_t>(c)] = static_cast<double>(static_cast<T>(scale * dq[static_cast<std::size_t>(c)]));
+      }
+    }
+  for (std::size_t x = 0; x < dk.size(); ++x) {
+    g.dk[x] = static_cast<double>(static_cast<T>(scale * dk[x]));
+    g.dv[x] = static_cast<double>(static_cast<T>(dv[x]));
+  }
+  return g;
+}
+
+double max_magnitude(const std::vector<double>& x) {
+  double m = 0;
+  for (double e : x) m = std::max(m, std::abs(e));
+  return m;
+}
+
+/// FlashAttention's rule: error <= 2 × the plain 16-bit implementation's error against float64, plus a floor of a
+/// few units of roundoff of T relative to the gradient's size (the plain error can be lucky).
+template <class T>
+void check_gradient(const char* name, const tensor_ref<T>& got, const std::vector<double>& oracle,
+                    const std::vector<double>& plain) {
+  double plain_err = 0;
+  for (std::size_t i = 0; i < oracle.size(); ++i) plain_err = std::max(plain_err, std::abs(plain[i] - oracle[i]));
+  const double tol = 2.0 * plain_err + 8.0 * epsilon<T>() * std::max(1.0, max_magnitude(oracle));
+  const double err = max_abs_error(got, oracle);
+  INFO(name << ": error " << err << " plain error " << plain_err << " tolerance " << tol);
+  CHECK(err <= tol);
+}
+
+/// Forward on the CPU, backward on the device, gradients against the float64 closed form.
+template <class T>
+void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool uploaded = false) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  bwd_case<T> c(p, l, rng);
+  INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << layout_name(l)
+                        << (uploaded ? " (device layout)" : "") << " seed=" << seed);
+  c.forward(mask);
+  bwd_device<T> dev(c);
+  REQUIRE(dev.ok());
+  const status st = dev.run(mask, uploaded);
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const status sync = gpu::synchronize();
+  INFO(sync.what());
+  REQUIRE(sync.ok());
+  dev.read();
+  std::visit(
+      [&](const auto& m) {
+        const auto bound = bind(m, p);
+        const reference_grads ref = reference_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.d_o.cview(), bound);
+        const reference_grads plain = plain_backward_16(p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.cview(),
+                                                        c.d_o.cview(), c.lse.data(), bound);
+        check_gradient("dq", c.dq.view, ref.dq, plain.dq);
+        check_gradient("dk", c.dk.view, ref.dk, plain.dk);
+        check_gradient("dv", c.dv.view, ref.dv, plain.dv);
+      },
+      mask);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda backward matches the float64 gradient: every mask, tails, GQA/MQA, head_dims",
+                   "[gpu][backward]", Eigen::half, Eigen::bfloat16) {
+  const std::vector<problem> shapes = {
+      {1, 2, 2, 100, 77, 64},  {2, 4, 2, 130, 200, 64}, {1, 4, 1, 65, 129, 128}, {1, 2, 1, 200, 64, 128},
+      {1, 1, 1, 7, 300, 32},   {1, 3, 3, 1, 1, 64},     {1, 2, 2, 96, 150, 96},  {2, 2, 1, 77, 70, 40},
+      {1, 2, 2, 257, 257, 128},
+  };
+  for (const problem& p : shapes)
+    for (const any_mask& mask : all_masks()) check_backward_gpu<TestType>(p, layout::bhsd, mask);
+}
+
+TEMPLATE_TEST_CASE("cuda backward on strided views (bshd, padded 16-byte strides) and a larger shape",
+                   "[gpu][backward]", Eigen::half, Eigen::bfloat16) {
+  check_backward_gpu<TestType>(problem{2, 4, 2, 150, 130, 64}, layout::bshd, causal{align::bottom_right});
+  check_backward_gpu<TestType>(problem{1, 2, 1, 90, 200, 128}, layout::padded16, window{30, 10, align::top_left});
+  check_backward_gpu<TestType>(problem{1, 2, 2, 1024, 1024, 128}, layout::bhsd, causal{align::top_left});
+  check_backward_gpu<TestType>(problem{1, 2, 2, 700, 1500, 64}, layout::bhsd, dense{});
+}
+
+TEMPLATE_TEST_CASE("cuda backward with block-sparse layouts (copied per call and uploaded)", "[gpu][backward]",
+                   Eigen::half, Eigen::bfloat16) {
+  const problem p{1, 2, 1, 256, 300, 64};
+  const block_layout lay = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
+  check_backward_gpu<TestType>(p, layout::bhsd, block_sparse{lay});
+  check_backward_gpu<TestType>(p, layout::bhsd, block_sparse{lay, causal{}});
+  check_backward_gpu<TestType>(p, layout::bhsd, block_sparse{lay, window{40, 10}}, true);
+  const problem p2{2, 4, 2, 192, 200, 128};
+  const block_layout per_head = random_layout(block_geometry{192, 200, 64, 64, 2, 4}, 0.4, fresh_seed());
+  check_backward_gpu<TestType>(p2, layout::bshd, block_sparse{per_head});
+  check_backward_gpu<TestType>(p2, layout::bhsd, block_sparse{per_head, causal{align::bottom_right}}, true);
+}
+
+TEST_CASE("cuda backward is deterministic: bitwise the same dQ, dK, dV on every run", "[gpu][backward]") {
+  using T = Eigen::bfloat16;
+  std::mt19937_64 rng(fresh_seed());
+  for (const any_mask& mask : {any_mask{dense{}}, any_mask{causal{align::bottom_right}}}) {
+    bwd_case<T> c(problem{2, 8, 2, 777, 900, 128}, layout::bhsd, rng);
+    c.forward(mask);
+    std::vector<T> first[3];
+    for (int run = 0; run < 3; ++run) {
+      bwd_device<T> dev(c);
+      REQUIRE(dev.ok());
+      REQUIRE(dev.run(mask).ok());
+      REQUIRE(gpu::synchronize().ok());
+      dev.read();
+      const std::vector<T>* now[3] = {&c.dq.buf, &c.dk.buf, &c.dv.buf};
+      for (int x = 0; x < 3; ++x) {
+        if (run == 0) first[x] = *now[x];
+        else CHECK(std::memcmp(first[x].data(), now[x]->data(), first[x].size() * sizeof(T)) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda backward: zero extents write zeros where gradients exist, nothing elsewhere", "[gpu][backward]") {
+  using T = Eigen::half;
+  std::mt19937_64 rng(fresh_seed());
+  {  // seq_q = 0: no query sees a key, dK = dV = 0 (lse has no element; any device pointer will do)
+    bwd_case<T> c(problem{1, 2, 1, 0, 50, 64}, layout::bhsd, rng);
+    bwd_device<T> dev(c);
+    const gpu::device_buffer<float> lse(std::vector<float>(1, 0.f));
+    REQUIRE(lse.ok());
+    const status st = gpu::attend_backward_cuda<T>(c.p, dev.in(c.q, dev.q), dev.in(c.k, dev.k), dev.in(c.v, dev.v),
+                                                   dev.in(c.o, dev.o), dev.in(c.d_o, dev.d_o), lse.data(),
+                                                   dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk),
+                                                   dev.out(c.dv, dev.dv), dense{});
+    INFO(st.what());
+    REQUIRE(st.ok());
+    REQUIRE(gpu::synchronize().ok());
+    dev.read();
+    for (const auto& x : c.dk.buf) CHECK(static_cast<float>(x) == 0.f);
+    for (const auto& x : c.dv.buf) CHECK(static_cast<float>(x) == 0.f);
+  }
+  {  // seq_kv = 0: every row saw no key (lse = −inf), dQ = 0
+    bwd_case<T> c(problem{1, 2, 1, 40, 0, 64}, layout::bhsd, rng);
+    c.forward(dense{});
+    bwd_device<T> dev(c);
+    REQUIRE(dev.run(dense{}).ok());
+    REQUIRE(gpu::synchronize().ok());
+    dev.read();
+    for (const auto& x : c.dq.buf) CHECK(static_cast<float>(x) == 0.f);
+  }
+}
+
+TEST_CASE("cuda backward: bad input and unsupported calls are statuses, nothing written", "[gpu][backward][errors]") {
+  std::mt19937_64 rng(fresh_seed());
+  using T = Eigen::half;
+  bwd_case<T> c(problem{1, 2, 1, 64, 64, 64}, layout::bhsd, rng);
+  c.forward(dense{});
+  const std::vector<T> dq0 = c.dq.buf, dk0 = c.dk.buf, dv0 = c.dv.buf;
+  bwd_device<T> dev(c);
+  REQUIRE(dev.ok());
+  const auto q = dev.in(c.q, dev.q), k = dev.in(c.k, dev.k), v = dev.in(c.v, dev.v), o = dev.in(c.o, dev.o),
+             d_o = dev.in(c.d_o, dev.d_o);
+  const auto dq = dev.out(c.dq, dev.dq), dk = dev.out(c.dk, dev.dk), dv = dev.out(c.dv, dev.dv);
+  const auto expect_refused = [&](const status& st, errc code, const char* field) {
+    INFO(st.what());
+    CHECK(st.code() == code);
+    CHECK(std::string(st.what()).find(field) != std::string::npos);
+  };
+  // Host memory where device memory is expected.
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, c.q.cview(), k, v, o, d_o, dev.lse.data(), dq, dk, dv, dense{}),
+                 errc::invalid_argument, "q");
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, d_o, c.lse.data(), dq, dk, dv, dense{}),
+                 errc::invalid_argument, "lse");
+  // dK aliasing dV; dQ aliasing dO; a null lse.
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, d_o, dev.lse.data(), dq, dk, dk, dense{}),
+                 errc::invalid_argument, "dk overlaps dv");
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, d_o, dev.lse.data(),
+                                              tensor_ref<T>{const_cast<T*>(d_o.data), d_o.dims, d_o.stride}, dk, dv,
+                                              dense{}),
+                 errc::invalid_argument, "dq overlaps d_o");
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, d_o, nullptr, dq, dk, dv, dense{}),
+                 errc::invalid_argument, "lse is null");
+  // dO of the wrong shape.
+  tensor_ref<const T> short_do = d_o;
+  short_do.dims.s = 63;
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, short_do, dev.lse.data(), dq, dk, dv, dense{}),
+                 errc::invalid_argument, "d_o");
+  // A block_q that splits the kernel's 64-row q tile.
+  const block_layout odd = dense_layout(block_geometry{64, 64, 32, 64, 1, 1});
+  expect_refused(gpu::attend_backward_cuda<T>(c.p, q, k, v, o, d_o, dev.lse.data(), dq, dk, dv, block_sparse{odd}),
+                 errc::unsupported, "block_q");
+  REQUIRE(gpu::synchronize().ok());
+  dev.read();
+  CHECK(unchanged(c.dq.buf, dq0));
+  CHECK(unchanged(c.dk.buf, dk0));
+  CHECK(unchanged(c.dv.buf, dv0));
+
+  // f32 and head_dim 256: unsupported, nothing written.
+  bwd_case<float> cf(problem{1, 1, 1, 16, 16, 32}, layout::bhsd, rng);
+  const std::vector<float> dqf0 = cf.dq.buf;
+  bwd_device<float> devf(cf);
+  expect_refused(devf.run(dense{}), errc::unsupported, "f16 and bf16");
+  bwd_case<T> c256(problem{1, 1, 1, 16, 16, 256}, layout::bhsd, rng);
+  const std::vector<T> dq256 = c256.dq.buf;
+  bwd_device<T> dev256(c256);
+  expect_refused(dev256.run(dense{}), errc::unsupported, "head_dim");
+  REQUIRE(gpu::synchronize().ok());
+  devf.read();
+  dev256.read();
+  CHECK(unchanged(cf.dq.buf, dqf0));
+  CHECK(unchanged(c256.dq.buf, dq256));
+}
