@@ -24,6 +24,7 @@
 #include "dispatch/policy.hpp"
 #include "dispatch/plan.hpp"
 #include "dispatch/attend.hpp"
+#include "dispatch/kv_storage.hpp"
 #include "dispatch/serving.hpp"
 #include "dispatch/backward.hpp"
 #include "dist/merge.hpp"  // merge_partials only: the rest of dist/ (MPI, NCCL) is included explicitly

@@ -10,6 +10,7 @@
 #include "../config.hpp"
 #include "../core/types.hpp"
 #include "simd.hpp"
+#include "x86_kernels.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #define FUSEDATTN_UNROLL _Pragma("GCC unroll 16")
@@ -77,18 +78,29 @@ FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index
 ///   kt: packed Kᵀ panels, each d × (qk_nr·W) contiguous (panel_stride = d·qk_nr·W elements apart).
 /// Panels are the outer loop so one contiguous d × (qk_nr·W) panel stays in L1 while every row block uses it.
 /// Rows go qk_mr at a time, the last rows % qk_mr as one smaller block (a decode row costs one row, not qk_mr).
+/// Under the x86 kernel sets (arch_x86.hpp) the tile runs x86_kernels.hpp's f32 or bf16-pair kernels instead.
 template <class Acc, class Arch>
 inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
                     index_t lds) {
-  using shape = kernel_shape<Acc, Arch>;
-  constexpr index_t MR = shape::qk_mr, NR = shape::qk_nr, C = shape::cols;
-  const index_t full = rows / MR * MR;
-  for (index_t j = 0; j < cols; j += C) {
-    for (index_t i = 0; i < full; i += MR)
-      qk_block<Acc, Arch, MR, NR>(q + i * ldq, ldq, kt + j * d, C, d, s + i * lds + j, lds);
-    with_count<MR - 1>(rows - full, [&](auto rest) {
-      qk_block<Acc, Arch, decltype(rest)::value, NR>(q + full * ldq, ldq, kt + j * d, C, d, s + full * lds + j, lds);
-    });
+#if FUSEDATTN_X86_KERNELS
+  if constexpr (packs_bf16_pairs_v<Arch>) {
+    return x86::qk_tile_bf16(q, ldq, kt, d, rows, cols, s, lds);
+  } else if constexpr (is_x86_set_v<Arch>) {
+    return x86::qk_tile_f32(q, ldq, kt, d, rows, cols, s, lds);
+  } else
+#endif
+  {
+    using shape = kernel_shape<Acc, Arch>;
+    constexpr index_t MR = shape::qk_mr, NR = shape::qk_nr, C = shape::cols;
+    const index_t full = rows / MR * MR;
+    for (index_t j = 0; j < cols; j += C) {
+      for (index_t i = 0; i < full; i += MR)
+        qk_block<Acc, Arch, MR, NR>(q + i * ldq, ldq, kt + j * d, C, d, s + i * lds + j, lds);
+      with_count<MR - 1>(rows - full, [&](auto rest) {
+        qk_block<Acc, Arch, decltype(rest)::value, NR>(q + full * ldq, ldq, kt + j * d, C, d, s + full * lds + j,
+                                                       lds);
+      });
+    }
   }
 }
 
@@ -143,22 +155,32 @@ inline void pv_chunk(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
 ///   v: packed V chunks at the tile's first key: chunk c (columns [c·vw, (c+1)·vw), vw = pv_nr·W) is keys × vw
 ///      contiguous, chunk_stride elements after chunk c − 1.
 /// Chunks are the outer loop so one contiguous keys × vw slice of V stays in L1 while every row block uses it;
-/// the last chunk takes the remaining 1 .. pv_nr−1 vectors.
+/// the last chunk takes the remaining 1 .. pv_nr−1 vectors. Under the x86 kernel sets the tile runs
+/// x86_kernels.hpp's kernels; the bf16-pair set rounds P to bf16 pairs in place first (P is dead after this step).
 template <class Acc, class Arch>
-inline void pv_tile(const Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
+inline void pv_tile(Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
-  using shape = kernel_shape<Acc, Arch>;
-  constexpr index_t W = shape::width;
-  constexpr index_t NV = shape::pv_nr;
-  constexpr index_t ldv = shape::vw;
-  index_t c = 0;
-  for (; c + ldv <= dp; c += ldv, v += chunk_stride)
-    pv_chunk<Acc, Arch, NV>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
-  const index_t rest = (dp - c) / W;
-  FUSEDATTN_ASSERT(rest < NV);
-  with_count<NV - 1>(rest, [&](auto n) {
-    pv_chunk<Acc, Arch, decltype(n)::value>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
-  });
+#if FUSEDATTN_X86_KERNELS
+  if constexpr (packs_bf16_pairs_v<Arch>) {
+    return x86::pv_tile_bf16(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
+  } else if constexpr (is_x86_set_v<Arch>) {
+    return x86::pv_tile_f32(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
+  } else
+#endif
+  {
+    using shape = kernel_shape<Acc, Arch>;
+    constexpr index_t W = shape::width;
+    constexpr index_t NV = shape::pv_nr;
+    constexpr index_t ldv = shape::vw;
+    index_t c = 0;
+    for (; c + ldv <= dp; c += ldv, v += chunk_stride)
+      pv_chunk<Acc, Arch, NV>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
+    const index_t rest = (dp - c) / W;
+    FUSEDATTN_ASSERT(rest < NV);
+    with_count<NV - 1>(rest, [&](auto n) {
+      pv_chunk<Acc, Arch, decltype(n)::value>(p, ldp, v, ldv, keys, alpha, acc + c, lda, rows);
+    });
+  }
 }
 
 // ---- Decode micro-kernels: K and V read in place, in their storage type T, at a row stride (no packing). ----

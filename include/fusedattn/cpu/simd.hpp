@@ -24,6 +24,12 @@ struct scalar_arch {
 
 namespace cpu {
 
+/// True for fusedattn's own arch tags (cpu/arch_x86.hpp: run-time checked, not xsimd arches).
+template <class Arch, class = void>
+struct is_runtime_arch : std::false_type {};
+template <class Arch>
+struct is_runtime_arch<Arch, std::enable_if_t<Arch::runtime_checked>> : std::true_type {};
+
 /// True when `Arch` is an xsimd AVX-512 arch (32 vector registers).
 template <class Arch>
 constexpr bool has_32_registers() {
@@ -39,6 +45,8 @@ template <class Arch>
 bool arch_available() {
   if constexpr (std::is_same<Arch, scalar_arch>::value) {
     return true;
+  } else if constexpr (is_runtime_arch<Arch>::value) {
+    return Arch::available();
   } else {
     return Arch::version() <= xsimd::available_architectures().best;
   }
@@ -182,3 +190,5 @@ struct kernel_shape {
 
 }  // namespace cpu
 }  // namespace fusedattn
+
+#include "arch_x86.hpp"  // fusedattn's own arch tags, read as these traits by the generic code

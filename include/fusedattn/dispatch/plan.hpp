@@ -99,6 +99,10 @@ template <class Arch, class T, class Bound>
 kernel_plan plan_run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
                      const Bound& mask, const float* lse) {
+  if constexpr (std::is_same<Arch, cpu::best>::value)  // the arch cpu::best picks on this CPU, by its name
+    return cpu::with_best_arch([&](auto a) {
+      return plan_run(policy::cpu<decltype(a)>{pol.threads, pol.tiles}, p, q, k, v, o, mask, lse);
+    });
   using Acc = accum_t<T>;
   if (status st = check_host_memory(q, k, v, o, lse); !st) return failed_plan(st);
   if (status st = check_cpu_flash_policy(pol); !st) return failed_plan(st);

@@ -61,6 +61,14 @@ using cpu_avx2 = cpu<xsimd::fma3<xsimd::avx2>>;
 /// Flash on AVX-512F (16 floats per vector, 32 registers).
 using cpu_avx512 = cpu<xsimd::avx512f>;
 #endif
+/// Flash on fusedattn's own AVX-512 f32 kernels, built whatever the program's -m flags (cpu/arch_x86.hpp).
+using cpu_avx512_runtime = cpu<::fusedattn::cpu::avx512>;
+/// Flash on AVX512-BF16: Q·Kᵀ and P·V on vdpbf16ps for bf16 storage (f32 accumulation, softmax in f32), the
+/// AVX-512 f32 kernels for the other storage types; built whatever the program's -m flags.
+using cpu_avx512bf16 = cpu<::fusedattn::cpu::avx512bf16>;
+/// Flash on the best kernel set the running CPU supports, chosen at run time (cpu::best): one binary built for
+/// generic x86-64 runs the AVX-512 and AVX512-BF16 kernels where the CPU has them. fa::plan names the choice.
+using cpu_auto = cpu<::fusedattn::cpu::best>;
 #if XSIMD_WITH_NEON64
 /// Flash on ARM NEON (AArch64).
 using cpu_neon = cpu<xsimd::neon64>;

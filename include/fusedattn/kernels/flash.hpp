@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include "../core/problem.hpp"
 #include "../core/status.hpp"
@@ -29,6 +30,8 @@ namespace kernels {
 /// its b·h·chunks·(d + 2) partial results instead.)
 template <class T, class Arch = xsimd::default_arch, class Mask = band_mask>
 index_t flash_scratch_bytes(const problem& p, const Mask& mask, tile_sizes tiles = {}, int threads = 1) {
+  if constexpr (std::is_same<Arch, cpu::best>::value)
+    return cpu::with_best_arch([&](auto a) { return flash_scratch_bytes<T, decltype(a)>(p, mask, tiles, threads); });
   using Acc = accum_t<T>;
   const flash_plan f = make_plan<Acc, Arch>(p, mask, tiles);
   const index_t items = p.batch * p.heads * f.q_tiles() * f.chunks;
@@ -49,13 +52,19 @@ status flash_attention_kv(const problem& p, const tensor_ref<const T>& q, const 
     if (t[i] < 0)
       return status::invalid(std::string("policy.tiles.") + name[i] + " is " + std::to_string(t[i]) +
                              "; it must be >= 0 (0 chooses by heuristic)");
+  if constexpr (std::is_same<Arch, cpu::best>::value)
+    return cpu::with_best_arch(
+        [&](auto a) { return flash_attention_kv<T, decltype(a)>(p, q, kv, o, mask, lse, threads, tiles); });
   if (!cpu::arch_available<Arch>())
     return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
                                    " code of policy::cpu<Arch>; pick an arch it supports"};
+  // fusedattn's own arch tags (cpu/arch_x86.hpp): the decode kernel runs on the compiled xsimd arch, the tile loop
+  // on the kernel set the tag and the storage types select (cpu::tile_arch).
+  using kv_value = std::remove_cv_t<std::remove_pointer_t<decltype(kv.k_row(0, 0, 0))>>;
   if constexpr (std::is_same<Mask, band_mask>::value)
     if (use_decode_kernel<Mask>(p, tiles))
-      return decode_attention<T, Arch>(p, q, kv, o, [&](index_t) { return mask; }, lse, threads);
-  return flash_tile_loop<T, Arch, Mask>(p, q, kv, o, mask, lse, threads, tiles);
+      return decode_attention<T, cpu::xsimd_arch_t<Arch>>(p, q, kv, o, [&](index_t) { return mask; }, lse, threads);
+  return flash_tile_loop<T, cpu::tile_arch_t<T, kv_value, Arch>, Mask>(p, q, kv, o, mask, lse, threads, tiles);
 }
 
 /// Flash attention on the CPU with the SIMD arch `Arch` (an xsimd arch, or scalar_arch): one online-softmax tile

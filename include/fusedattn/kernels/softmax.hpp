@@ -8,6 +8,7 @@
 
 #include "../core/types.hpp"
 #include "../cpu/simd.hpp"
+#include "../cpu/x86_kernels.hpp"
 
 namespace fusedattn {
 namespace kernels {
@@ -33,6 +34,9 @@ inline constexpr double ln2 = 0.6931471805599453094;
 /// A +inf logit makes m_new = +inf and its p_j = 2^(inf − inf) = NaN: the row is NaN, as in the naive kernel.
 template <class Acc, class Arch>
 inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
+#if FUSEDATTN_X86_KERNELS
+  if constexpr (cpu::is_x86_set_v<Arch>) return cpu::x86::online_softmax_row(s, cols, c, m, l);  // the same, 16 lanes
+#endif
   using V = cpu::simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;

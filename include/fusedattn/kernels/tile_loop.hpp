@@ -208,19 +208,31 @@ struct flash_call {
 /// `kt_head` / `v_head` (f.kv_elements layout), converting to Acc (half types convert here, once per key):
 ///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c], 0 past seq_kv;
 ///   V: for each column chunk, v[key][x] = v[key][chunk·vw + x], 0 past d.
-template <class T, class Acc, class KV>
+/// K and V may have a storage type of their own (the KV source's), widened here. Under the bf16-pair kernel set
+/// (cpu::packs_bf16_pairs_v<Arch>) both are packed as bf16 pairs instead, in the same places (x86_kernels.hpp).
+template <class T, class Arch = scalar_arch, class Acc, class KV>
 void pack_panel(const KV& kv, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv, index_t pn, Acc* kt_head,
                 Acc* v_head) {
   const index_t k0 = pn * f.cols, kn = std::min(f.cols, seq_kv - k0);
   Acc* kt = kt_head + pn * f.d * f.cols;
+#if FUSEDATTN_X86_KERNELS
+  if constexpr (cpu::packs_bf16_pairs_v<Arch>) {
+    cpu::x86::pack_k_pairs([&](index_t j) { return kv.k_row(b, h_kv, k0 + j); }, kn, f.d, kt);
+    for (index_t j = k0; j < k0 + kn; ++j)
+      for (index_t ch = 0; ch < f.v_chunks; ++ch)
+        cpu::x86::pack_v_pair_row(kv.v_row(b, h_kv, j), j + 1 < seq_kv ? kv.v_row(b, h_kv, j + 1) : nullptr,
+                                  ch * f.vw, f.d, v_head + (ch * seq_kv + j) * f.vw);
+    return;
+  }
+#endif
   for (index_t j = 0; j < kn; ++j) {
-    const T* kr = kv.k_row(b, h_kv, k0 + j);
+    const auto* kr = kv.k_row(b, h_kv, k0 + j);
     for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
   }
   if (kn < f.cols)
     for (index_t c = 0; c < f.d; ++c) std::fill(kt + c * f.cols + kn, kt + (c + 1) * f.cols, Acc(0));
   for (index_t j = 0; j < kn; ++j) {
-    const T* vr = kv.v_row(b, h_kv, k0 + j);
+    const auto* vr = kv.v_row(b, h_kv, k0 + j);
     for (index_t ch = 0; ch < f.v_chunks; ++ch) {
       Acc* dst = v_head + (ch * seq_kv + k0 + j) * f.vw;
       const index_t c0 = ch * f.vw, cn = std::max<index_t>(0, std::min(f.vw, f.d - c0));
@@ -326,6 +338,9 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
     Acc* dst = sc.q.data() + i * f.d;
     for (index_t c = 0; c < f.d; ++c) dst[c] = static_cast<Acc>(qr[c]);
   }
+#if FUSEDATTN_X86_KERNELS
+  if constexpr (cpu::packs_bf16_pairs_v<Arch>) cpu::x86::prepare_q_pairs(sc.q.data(), qn, f.d);  // bf16 pairs
+#endif
   std::fill(sc.acc.begin(), sc.acc.begin() + qn * f.dp, Acc(0));
   std::fill(sc.m.begin(), sc.m.begin() + qn, neg_inf);
   std::fill(sc.l.begin(), sc.l.begin() + qn, Acc(0));
@@ -343,7 +358,7 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
       if (!call.packed)
         for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
           if (!sc.packed[static_cast<std::size_t>(pn)]) {
-            pack_panel<T>(call.kv, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
+            pack_panel<T, Arch>(call.kv, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
             sc.packed[static_cast<std::size_t>(pn)] = 1;
           }
 
@@ -531,7 +546,7 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const KV&
         for (index_t hp = 0; hp < kv_heads * plan.panels; ++hp) {
           const index_t bh_kv = hp / plan.panels;
           Acc* kt_head = call.packed + bh_kv * head_elements;
-          pack_panel<T>(kv, plan, p.seq_kv, bh_kv / p.heads_kv, bh_kv % p.heads_kv, hp % plan.panels, kt_head,
+          pack_panel<T, Arch>(kv, plan, p.seq_kv, bh_kv / p.heads_kv, bh_kv % p.heads_kv, hp % plan.panels, kt_head,
                      kt_head + plan.panels * plan.d * plan.cols);
         }
       }
