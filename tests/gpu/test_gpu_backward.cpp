@@ -86,10 +86,10 @@ reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q
                                   const tensor_ref<const T>& v, const tensor_ref<const T>& o,
                                   const tensor_ref<const T>& d_o, const float* lse, const Mask& mask) {
   const index_t d = p.head_dim;
-  reference_grads g{std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * d)),
-                    std::vector<double>(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * d)),
-                    std::vector<double>(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * d)),
-                    {}};
+  reference_grads g;
+  g.dq.resize(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * d));
+  g.dk.resize(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * d));
+  g.dv.resize(g.dk.size());
   const float scale = static_cast<float>(p.softmax_scale());
   const auto r16 = [](float x) { return static_cast<float>(static_cast<T>(x)); };
   std::vector<float> dk(g.dk.size(), 0.f), dv(g.dv.size(), 0.f), dq(static_cast<std::size_t>(d));

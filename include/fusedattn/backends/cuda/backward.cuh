@@ -103,6 +103,18 @@ R with_backward_tile(index_t head_dim, R otherwise, F&& f) {
   return f(backward_tile<128>{});
 }
 
+/// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory; rows at
+/// and past `valid` and 16-byte chunks at and past `valid_chunks` (a head_dim narrower than the tile's) are
+/// zero-filled and not read.
+template <class Tile, int Rows, class E>
+__device__ __forceinline__ void backward_load(E* smem, const E* g, index_t stride_s, int valid, int valid_chunks) {
+  for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
+    const int r = c / Tile::chunks, ch = c % Tile::chunks;
+    const bool ok = r < valid && ch < valid_chunks;
+    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + (ok ? ch : 0) * 8, ok);
+  }
+}
+
 /// δ of each query row: one warp a row, eight rows a block; the warp's sum is reduced in a fixed order. A row that
 /// saw no key (lse = −inf) gets δ = 0, so that its P = 0 gives dS = 0 whatever its O holds.
 template <class E, class Mask>
@@ -242,16 +254,16 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
   const int cols_ch = p.head_dim / 8;
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
-  load_tile<Tile, BN>(sk, k_head + k0 * p.k_stride.s, p.k_stride.s, k1 - k0, cols_ch);
-  load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, k1 - k0, cols_ch);
+  backward_load<Tile, BN>(sk, k_head + k0 * p.k_stride.s, p.k_stride.s, k1 - k0, cols_ch);
+  backward_load<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, k1 - k0, cols_ch);
 
   // Q, dO (cp.async) and the rows' lse·log2e and δ (plain stores, seen after the next barrier) of one q tile.
   const auto load_q_tile = [&](int stage, int h, int q0) {
     const int rows = q0 + BM < p.seq_q ? BM : p.seq_q - q0;
-    load_tile<Tile, BM>(sq + stage * BM * D,
+    backward_load<Tile, BM>(sq + stage * BM * D,
                         static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
                         p.q_stride.s, rows, cols_ch);
-    load_tile<Tile, BM>(sdo + stage * BM * D,
+    backward_load<Tile, BM>(sdo + stage * BM * D,
                         static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
                         p.do_stride.s, rows, cols_ch);
     for (int r = threadIdx.x; r < BM; r += Tile::threads) {
@@ -373,14 +385,14 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
   const band32 rule = element_rule(mask);
   const int k_first = tiles.first(0, 1);
 
-  load_tile<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+  backward_load<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
                       p.q_stride.s, q1 - q0, cols_ch);
-  load_tile<Tile, BM>(sdo, static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+  backward_load<Tile, BM>(sdo, static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
                       p.do_stride.s, q1 - q0, cols_ch);
   if (k_first >= 0) {
     const int rows = rows_left(k_first, p.seq_kv, BN);
-    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows, cols_ch);
-    load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+    backward_load<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+    backward_load<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows, cols_ch);
   }
   cp_async_commit();
 
@@ -406,8 +418,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
     k_next = tiles.next(k0);
     if (k_next >= 0) {
       const int rows = rows_left(k_next, p.seq_kv, BN);
-      load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
-      load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+      backward_load<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+      backward_load<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
       cp_async_commit();
     }
 
