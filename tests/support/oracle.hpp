@@ -1,6 +1,7 @@
 /// @file oracle.hpp
-/// The independent float64 reference: a plain loop that uses only the mask's per-element rule `allowed(i, j)`.
-/// Nothing in it is shared with the kernels' schedules (kv ranges, partial tiles, online softmax).
+/// The independent float64 reference: a plain loop that uses only the mask's per-element rule `allowed(i, j)` and
+/// the score modifiers' scalar arithmetic (core/score_mod.hpp). Nothing in it is shared with the kernels' schedules
+/// (kv ranges, partial tiles, online softmax).
 #pragma once
 
 #include <cmath>
@@ -17,8 +18,21 @@ struct reference {
   std::vector<double> lse;
 };
 
-/// softmax(scale · q·kᵀ restricted to allowed(i, j)) · v, every sum in double. A row with no allowed key
-/// gives O = 0 and lse = −inf. `Acc` picks the arithmetic: double is the oracle; the storage type's
+namespace detail {
+/// The score modifiers a bound mask carries (none for a mask type without them).
+template <class Mask>
+auto mods_or_none(const Mask& m, int) -> decltype(bound_mods(mods_of(m))) {
+  return mods_of(m);
+}
+template <class Mask>
+bound_mods mods_or_none(const Mask&, long) {
+  return {};
+}
+}  // namespace detail
+
+/// softmax(s'_ij restricted to allowed(i, j), plus the sink logit in the denominator) · v, every sum in double,
+/// with s'_ij = mods.apply(scale · q_i·k_j, h, i, j) (= scale · q_i·k_j without modifiers). A row with no allowed key
+/// gives O = 0 and lse = −inf, or lse = sink_h with sinks. `Acc` picks the arithmetic: double is the oracle; the storage type's
 /// accumulation type gives the "plain same-precision implementation" that tolerances are derived from.
 /// Rows are independent: with OpenMP, calls of more than 2^22 multiply-adds share their rows among the threads
 /// (each row is computed exactly as alone, so the result does not depend on the threads).
@@ -41,16 +55,18 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
       const index_t i = row % p.seq_q, h = row / p.seq_q % p.heads, b = row / p.seq_q / p.heads;
       const index_t g = p.kv_head(h);
       const auto head_mask = for_head(mask, b, h);
-      Acc m = -std::numeric_limits<Acc>::infinity();
+      const bound_mods mods = detail::mods_or_none(head_mask, 0);
+      const Acc sink = mods.sink<Acc>(h);
+      Acc m = sink;
       for (index_t j = 0; j < p.seq_kv; ++j) {
         if (!head_mask.allowed(i, j)) continue;
         Acc dot = 0;
         for (index_t c = 0; c < p.head_dim; ++c)
           dot += static_cast<Acc>(q.row(b, h, i)[c]) * static_cast<Acc>(k.row(b, g, j)[c]);
-        s[j] = scale * dot;
+        s[j] = mods.apply(scale * dot, h, i, j);
         m = std::max(m, s[j]);
       }
-      Acc l = 0;
+      Acc l = m == -std::numeric_limits<Acc>::infinity() ? Acc(0) : std::exp(sink - m);
       std::fill(acc.begin(), acc.end(), Acc(0));
       for (index_t j = 0; j < p.seq_kv; ++j) {
         if (!head_mask.allowed(i, j)) continue;

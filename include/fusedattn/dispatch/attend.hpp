@@ -37,7 +37,7 @@ status run(const policy::cpu_naive& pol, const problem& p, const tensor_ref<cons
   // The plan's checks are attend's (host memory, absurd scratch sizes); zero extents run no kernel.
   if (status st = plan_run(pol, p, q, k, v, o, mask, lse).st; !st) return st;
   if (nothing_to_compute(p)) return {};
-  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse);
+  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse, mods_of(mask));
   return kernels::naive_attention(p, q, k, v, o, mask, lse, pol.threads);
 }
 
@@ -47,7 +47,7 @@ status run(const policy::cpu<Arch>& pol, const problem& p, const tensor_ref<cons
            float* lse) {
   if (status st = plan_run(pol, p, q, k, v, o, mask, lse).st; !st) return st;
   if (nothing_to_compute(p)) return {};
-  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse);
+  if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse, mods_of(mask));
   return kernels::flash_attention<T, Arch>(p, q, k, v, o, mask, lse, pol.threads, pol.tiles);
 }
 

@@ -18,6 +18,7 @@
 #include "../kernels/flash.hpp"
 #include "../kernels/kv_source.hpp"
 #include "../kernels/mask.hpp"
+#include "../kernels/modifiers.hpp"
 #include "attend.hpp"
 #include "policy.hpp"
 
@@ -74,10 +75,15 @@ struct ragged_batch {
 
 namespace detail {
 
-/// Band masks are the ones a serving call takes (each sequence binds its own lengths).
+/// Band masks are the ones a serving call takes (each sequence binds its own lengths), with or without score
+/// modifiers.
 template <class Mask>
 inline constexpr bool is_band_mask_v =
     std::is_same<Mask, dense>::value || std::is_same<Mask, causal>::value || std::is_same<Mask, window>::value;
+template <class Mask>
+struct is_serving_mask : std::bool_constant<is_band_mask_v<Mask>> {};
+template <class Mask>
+struct is_serving_mask<modified<Mask>> : std::bool_constant<is_band_mask_v<Mask>> {};
 
 /// Whether a policy is policy::cpu<Arch> (the flash kernels).
 template <class Policy>
@@ -168,15 +174,16 @@ band_mask bind_sequence(const Mask& mask, const problem& p, index_t seq_q, index
   return bind(mask, ps);
 }
 
-/// Writes O = 0 and lse = −inf for rows [0, seq_q) of every head of batch entry b (a sequence without keys).
+/// Writes O = 0 and lse = −inf (head h's sink logit with sinks) for rows [0, seq_q) of every head of batch entry b
+/// (a sequence without keys).
 template <class T>
 void write_empty(const problem& p, const tensor_ref<T>& o, index_t b, index_t seq_q, float* lse, index_t lse_row0,
-                 index_t lse_head_stride) {
+                 index_t lse_head_stride, const bound_mods& mods) {
   for (index_t h = 0; h < p.heads; ++h)
     for (index_t i = 0; i < seq_q; ++i) {
       T* row = o.row(b, h, i);
       for (index_t c = 0; c < p.head_dim; ++c) row[c] = T(0.0f);
-      if (lse) lse[h * lse_head_stride + lse_row0 + i] = -std::numeric_limits<float>::infinity();
+      if (lse) lse[h * lse_head_stride + lse_row0 + i] = mods.sink<float>(h);
     }
 }
 
@@ -192,8 +199,11 @@ void write_empty(const problem& p, const tensor_ref<T>& o, index_t b, index_t se
 ///              sequence holds (every seq_lens[b] <= seq_kv <= blocks_per_seq · page_size), head_dim, scale.
 /// @param q     (batch, heads, seq_q, head_dim) view; o the same shape, not overlapping any input.
 /// @param kv    the cache (see paged_kv); pools of heads_kv heads of head_dim values per token.
-/// @param mask  dense{}, causal{align}, window{left, right, align}.
-/// @param lse   optional, batch·heads·seq_q floats [b][h][i]; a row that sees no key gets O = 0, lse = −inf.
+/// @param mask  dense{}, causal{align}, window{left, right, align}, each optionally with score modifiers
+///              (`mask | fa::softcap{cap} | fa::alibi{slopes, align} | fa::sinks{logits}`; ALiBi's alignment, like
+///              the mask's, is bound to each sequence's own lengths).
+/// @param lse   optional, batch·heads·seq_q floats [b][h][i]; a row that sees no key gets O = 0, lse = −inf (the
+///              head's sink logit with sinks).
 /// Decode-shaped calls (at most cpu::decode_max_rows query rows per kv head, default tiles) read K and V in place
 /// and split each sequence's keys across the threads; longer ones run the tile loop per sequence.
 /// @return ok; errc::invalid_argument naming the field and value (a page id out of range, a length beyond the
@@ -203,7 +213,8 @@ template <class Policy, class T, class Mask = dense>
 status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
                     const paged_kv<const detail::identity_t<T>>& kv, tensor_ref<T> o, const Mask& mask = {},
                     float* lse = nullptr) {
-  static_assert(detail::is_band_mask_v<Mask>, "fusedattn: attend_paged takes dense, causal or window masks");
+  static_assert(detail::is_serving_mask<Mask>::value,
+                "fusedattn: attend_paged takes dense, causal or window masks (optionally with score modifiers)");
   static_assert(is_supported_scalar_v<T>,
                 "fusedattn supports float, double, Eigen::half and Eigen::bfloat16 for Q, K, V and O");
   if (status st = validate_policy(pol); !st) return st;
@@ -247,7 +258,8 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
     for (index_t b = 0; b < p.batch; ++b) {
       const index_t len = kv.seq_lens[b];
       if (len == 0) {
-        detail::write_empty(p, o, b, p.seq_q, lse, b * p.heads * p.seq_q, p.seq_q);
+        detail::write_empty(p, o, b, p.seq_q, lse, b * p.heads * p.seq_q, p.seq_q,
+                            detail::bind_sequence(mask, p, p.seq_q, 0).mods);
         continue;
       }
       problem pb = p;
@@ -273,7 +285,9 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
 /// @param p     batch = 1, seq_q = total query tokens, seq_kv = total keys; heads, heads_kv, head_dim, scale.
 /// @param rb    the sequences and their cumulative offsets (rb.cu_seqlens_q ends at p.seq_q, cu_seqlens_kv at
 ///              p.seq_kv).
-/// @param lse   optional, heads·total_q floats laid out [h][token]; a row that sees no key gets O = 0, lse = −inf.
+/// @param mask  as attend_paged's.
+/// @param lse   optional, heads·total_q floats laid out [h][token]; a row that sees no key gets O = 0, lse = −inf
+///              (the head's sink logit with sinks).
 /// Each sequence gives bitwise the result of its own attend call. When every sequence has the same number of
 /// query rows and the call is decode-shaped, one decode-kernel call covers the batch (keys split across threads).
 /// @return ok; errc::invalid_argument naming the field and value (offsets not starting at 0, decreasing, or not
@@ -283,7 +297,8 @@ status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb
                      tensor_ref<const detail::identity_t<T>> q, tensor_ref<const detail::identity_t<T>> k,
                      tensor_ref<const detail::identity_t<T>> v, tensor_ref<T> o, const Mask& mask = {},
                      float* lse = nullptr) {
-  static_assert(detail::is_band_mask_v<Mask>, "fusedattn: attend_ragged takes dense, causal or window masks");
+  static_assert(detail::is_serving_mask<Mask>::value,
+                "fusedattn: attend_ragged takes dense, causal or window masks (optionally with score modifiers)");
   if (status st = validate_policy(pol); !st) return st;
   if (p.batch != 1)
     return status::invalid("problem.batch is " + detail::str(p.batch) +
@@ -346,7 +361,7 @@ status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb
       if (nq == 0) continue;
       const tensor_ref<T> ob{o.row(0, 0, q0), {1, p.heads, nq, p.head_dim}, o.stride};
       if (nk == 0) {
-        detail::write_empty(p, ob, 0, nq, lse, q0, p.seq_q);
+        detail::write_empty(p, ob, 0, nq, lse, q0, p.seq_q, detail::bind_sequence(mask, p, nq, 0).mods);
         continue;
       }
       problem pb = p;

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../core/online_softmax.hpp"
 #include "../core/problem.hpp"
 #include "../core/status.hpp"
 #include "../core/tensor.hpp"
@@ -36,50 +37,7 @@ lse_ref<F> lse_bhs(F* data, dims4 d) {
   return {data, d.b, d.h, d.s, d.h * d.s, d.s};
 }
 
-/// The weights of one row's merge. la, lb: the two parts' lse (natural log); on return lse is the union's and the
-/// row's O is wa·O_a + wb·O_b, where a part with use_x = false is left out (not multiplied: its O is not read).
-/// Math: lse = max(la, lb) + log1p(exp(−|la − lb|)); wa = exp(la − lse), wb = exp(lb − lse), so wa + wb = 1.
-/// Rules: a part with lse = −inf saw no key and contributes nothing (both −inf: O = 0, lse = −inf); a NaN lse makes
-/// the row NaN (weights NaN, both parts read); a +inf lse gives NaN weights as well (inf − inf).
-template <class W>
-struct merge_row_weights {
-  W wa = 0, wb = 0;
-  W lse = 0;
-  bool use_a = false, use_b = false;
-};
-template <class W>
-FUSEDATTN_HOST_DEVICE inline merge_row_weights<W> merge_weights(float la, float lb) {
-  const W neg_inf = -std::numeric_limits<W>::infinity();
-  merge_row_weights<W> r;
-  const W a = static_cast<W>(la), b = static_cast<W>(lb);
-  if (a != a || b != b) {  // NaN: it reaches the whole row
-    r.wa = r.wb = r.lse = std::numeric_limits<W>::quiet_NaN();
-    r.use_a = r.use_b = true;
-    return r;
-  }
-  r.use_a = a != neg_inf;
-  r.use_b = b != neg_inf;
-  if (!r.use_a && !r.use_b) {
-    r.lse = neg_inf;
-    return r;
-  }
-  if (!r.use_b) {
-    r.wa = W(1);
-    r.lse = a;
-    return r;
-  }
-  if (!r.use_a) {
-    r.wb = W(1);
-    r.lse = b;
-    return r;
-  }
-  const W m = a > b ? a : b;
-  const W diff = a > b ? a - b : b - a;
-  r.lse = m + log1p(exp(-diff));
-  r.wa = exp(a - r.lse);
-  r.wb = exp(b - r.lse);
-  return r;
-}
+// merge_weights (the weights of one row's (O, lse) merge) is core/online_softmax.hpp's, shared with the kernels.
 
 namespace detail {
 

@@ -6,6 +6,11 @@
 /// Math, per (batch, head), with P = exp(scale·Q·Kᵀ − lse) on the allowed entries and 0 elsewhere:
 ///   δ_i = Σ_c dO[i][c]·O[i][c];  dV = Pᵀ·dO;  dP = dO·Vᵀ;  dS = P ∘ (dP − δ);  dK = scale·dSᵀ·Q;  dQ = scale·dS·K.
 /// GQA / MQA: dK and dV of a kv head sum over the query heads that read it.
+/// Score modifiers (core/score_mod.hpp): S is the modified score s' = cap(scale·q·k) + bias (recomputed, ALiBi too),
+/// P = exp(s' − lse) with the forward's lse (which includes the sink), and softcap's chain rule scales dS by
+/// cap'(x) = 1 − (cap(x) / softcap)²: dS = P ∘ (dP − δ) ∘ cap'. A sink adds a softmax entry without a value row, so
+/// δ and dS keep their form, and d sink_h = −Σ_{b,i} exp(sink_h − lse_{b,h,i})·δ_{b,h,i} (written when sinks.grad is
+/// not null, summed in a fixed order).
 ///
 /// Schedule and determinism (no atomics; every output element has one summation order fixed by the problem):
 ///   1. Per query row (one thread per row): δ, lse·log2e, and Q and dO converted to the accumulation type once
@@ -109,9 +114,10 @@ struct backward_scratch {
   line_vector<Acc> k;            ///< bkv × dp: the K tile
   line_vector<Acc> kt, vt;       ///< d × ldk: Kᵀ and Vᵀ of the tile, zero past its keys
   line_vector<Acc> dk, dv;       ///< bkv × dp: the tile's unscaled dK and its dV
+  line_vector<Acc> cap_grad;     ///< bq × ldk: softcap's chain-rule factor per score (only with softcap)
 
   static index_t elements(const backward_plan& f) {
-    return 2 * f.bq * f.ldk + f.bkv * f.dp + 2 * f.d * f.ldk + 2 * f.bkv * f.dp;
+    return 3 * f.bq * f.ldk + f.bkv * f.dp + 2 * f.d * f.ldk + 2 * f.bkv * f.dp;
   }
   void allocate(const backward_plan& f) {
     auto grow = [](auto& buf, index_t n) {
@@ -124,6 +130,7 @@ struct backward_scratch {
     grow(vt, f.d * f.ldk);
     grow(dk, f.bkv * f.dp);
     grow(dv, f.bkv * f.dp);
+    grow(cap_grad, f.bq * f.ldk);
   }
 };
 
@@ -241,24 +248,31 @@ void backward_pair(const backward_call<T, Mask>& call, backward_scratch<accum_t<
   const unsigned char* flags = call.rows.flags.data() + row0;
   const auto live = [&](index_t i) { return (flags[i] & buffers::row_live) != 0; };
 
-  // S (qn × kvec·W) = Q (qn × d) · Kᵀ (d × kvec·W); then P = 2^(c·S − lse·log2e) in place.
+  // S (qn × kvec·W) = Q (qn × d) · Kᵀ (d × kvec·W); then P = 2^(c·S − lse·log2e) in place. With score modifiers
+  // S first becomes the base-2 modified logits (modify_row, with softcap's chain-rule factor) and c is 1.
   cpu::abt_tile<Acc, Arch>(q_tile, f.dp, sc.kt.data(), f.ldk, f.d, qn, kvec, sc.s.data(), f.ldk);
   const bool partial = mask.is_partial(q0, q1, k0, k0 + kn);
-  const vec vc = V::broadcast(c);
+  const bound_mods mods = mods_or_none(mask, 0);
+  const bool modify = mods.changes_scores(), capped = mods.softcap != 0.f;
+  const vec vc = V::broadcast(modify ? Acc(1) : c);
   for (index_t i = 0; i < qn; ++i) {
     Acc* srow = sc.s.data() + i * f.ldk;
     if (!live(i)) {
       std::fill(srow, srow + kvec * W, Acc(0));
       continue;
     }
+    if (modify)
+      modify_row<Acc, Arch>(srow, kvec * W, static_cast<Acc>(p.softmax_scale()), mods, h, q0 + i, k0,
+                            capped ? sc.cap_grad.data() + i * f.ldk : nullptr);
     const vec neg_lse = V::broadcast(-lse2[i]);
     for (index_t j = 0; j < kvec * W; j += W) V::store(srow + j, V::exp2(V::fma(V::load(srow + j), vc, neg_lse)));
     std::fill(srow + kn, srow + kvec * W, Acc(0));
     if (partial) zero_forbidden(mask, q0 + i, k0, kn, srow);
   }
 
-  // dP (qn × kvec·W) = dO (qn × d) · Vᵀ (d × kvec·W); then dS = P ∘ (dP − δ) in place (forbidden entries exactly 0,
-  // whatever dP holds, so that a non-finite value never reaches a gradient through a masked entry).
+  // dP (qn × kvec·W) = dO (qn × d) · Vᵀ (d × kvec·W); then dS = P ∘ (dP − δ) (∘ cap' with softcap) in place
+  // (forbidden entries exactly 0, whatever dP holds, so that a non-finite value never reaches a gradient through a
+  // masked entry).
   cpu::abt_tile<Acc, Arch>(do_tile, f.dp, sc.vt.data(), f.ldk, f.d, qn, kvec, sc.ds.data(), f.ldk);
   for (index_t i = 0; i < qn; ++i) {
     Acc* drow = sc.ds.data() + i * f.ldk;
@@ -270,6 +284,10 @@ void backward_pair(const backward_call<T, Mask>& call, backward_scratch<accum_t<
     const vec vdelta = V::broadcast(delta[i]);
     for (index_t j = 0; j < kvec * W; j += W)
       V::store(drow + j, V::mul(V::load(prow + j), V::sub(V::load(drow + j), vdelta)));
+    if (capped) {
+      const Acc* cg = sc.cap_grad.data() + i * f.ldk;
+      for (index_t j = 0; j < kvec * W; j += W) V::store(drow + j, V::mul(V::load(drow + j), V::load(cg + j)));
+    }
     std::fill(drow + kn, drow + kvec * W, Acc(0));
     if (partial) zero_forbidden(mask, q0 + i, k0, kn, drow);
   }
@@ -460,6 +478,25 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
         buffers.flags[static_cast<std::size_t>(row)] =
             static_cast<unsigned char>((live ? backward_buffers<Acc>::row_live : 0) |
                                        (finite ? backward_buffers<Acc>::row_finite : 0));
+      }
+      // The sink logits' gradient: d sink_h = −Σ_{b,i} exp(sink_h − lse_{b,h,i})·δ_{b,h,i}, one thread per head,
+      // rows in ascending order.
+      const bound_mods mods = mods_or_none(mask, 0);
+      if (mods.sink_logits && mods.sink_grad) {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (index_t h = 0; h < p.heads; ++h) {
+          const Acc sink = mods.sink<Acc>(h);
+          Acc sum = 0;
+          for (index_t b = 0; b < p.batch; ++b)
+            for (index_t i = 0; i < p.seq_q; ++i) {
+              const index_t row = (b * p.heads + h) * p.seq_q + i;
+              if (lse[row] == -std::numeric_limits<float>::infinity()) continue;  // a −inf sink, no key: nothing
+              sum += std::exp(sink - static_cast<Acc>(lse[row])) * buffers.delta[static_cast<std::size_t>(row)];
+            }
+          mods.sink_grad[h] = static_cast<float>(-sum);
+        }
       }
       // 2. dK, dV per kv tile and the partial dQ per chunk.
 #if defined(_OPENMP)

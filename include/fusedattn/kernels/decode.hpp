@@ -103,6 +103,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
   const index_t lds = round_up(cpu::decode_block_keys, V::width);
   const index_t prow = d + 2;  // one partial row: m, l, acc
   const Acc c_log2 = static_cast<Acc>(p.softmax_scale() * log2e);
+  const Acc scale = static_cast<Acc>(p.softmax_scale());
 
   // Items: for each sequence b, for each of its key chunks, every kv head (the kv heads of one chunk are adjacent:
   // in a [page][token][kv_head][d] cache they share OS pages); first[b] is the first item of sequence b.
@@ -166,6 +167,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
         const index_t local = item - first[ub];
         const index_t c = local / p.heads_kv, h_kv = local % p.heads_kv;
         const band_mask mask = mask_of(b);
+        const bool modify = mask.mods.changes_scores();
         const index_t len = kv.length(b);
 
         // Q rows (rows × d), converted to Acc; row r is query head h_kv·g + r / seq_q, query row r % seq_q.
@@ -199,13 +201,16 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
             j += n;
           }
           // Mask and online softmax per row: P = 2^(scale·log2e·S − m_new), α = 2^(m_old − m_new).
+          // Score modifiers first (modify_row: S becomes base-2 logits, the softmax multiplies by 1).
           const bool partial_step = mask.is_partial(0, p.seq_q, k0, k1);
           for (index_t r = 0; r < rows; ++r) {
             Acc* srow = sc.s.data() + r * lds;
+            if (modify) modify_row<Acc, Arch>(srow, width, scale, mask.mods, h_kv * g + r / p.seq_q, r % p.seq_q, k0);
             std::fill(srow + kn, srow + width, neg_inf);
             if (partial_step) mask_row(mask, r % p.seq_q, k0, 0, kn, srow);
             sc.alpha[static_cast<std::size_t>(r)] = online_softmax_row<Acc, Arch>(
-                srow, width, c_log2, sc.m[static_cast<std::size_t>(r)], sc.l[static_cast<std::size_t>(r)]);
+                srow, width, modify ? Acc(1) : c_log2, sc.m[static_cast<std::size_t>(r)],
+                sc.l[static_cast<std::size_t>(r)]);
           }
           // acc = diag(α)·acc + P·V. On a partial step whose V holds a non-finite value, only allowed keys are
           // summed (0·NaN must not reach a row that does not attend the key; docs/design.md, Numerics).
@@ -240,7 +245,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
 
         // Finish: O = acc / l and lse (a single chunk), or the chunk's (m, l, acc) rows for the merge.
         for (index_t r = 0; r < rows; ++r) {
-          const Acc m = sc.m[static_cast<std::size_t>(r)], l = sc.l[static_cast<std::size_t>(r)];
+          Acc m = sc.m[static_cast<std::size_t>(r)], l = sc.l[static_cast<std::size_t>(r)];
           const Acc* a = sc.acc.data() + r * d;
           if (chunks[ub] > 1) {
             Acc* dst = partial.data() + (item * rows + r) * prow;
@@ -251,9 +256,11 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
           }
           const index_t h = h_kv * g + r / p.seq_q, i = r % p.seq_q;
           T* orow = o.row(b, h, i);
-          const Acc inv_l = inverse_row_sum(l);
+          // The sink joins the denominator once, at the finish (a split chunk's part leaves it to the merge).
+          const Acc sink_alpha = online::add_sink(m, l, mask.mods.sink<Acc>(h) * static_cast<Acc>(log2e));
+          const Acc inv_l = online::inverse_sum(l) * sink_alpha;
           for (index_t x = 0; x < d; ++x) orow[x] = static_cast<T>(a[x] * inv_l);
-          if (lse) lse[(b * p.heads + h) * p.seq_q + i] = row_lse(m, l);
+          if (lse) lse[(b * p.heads + h) * p.seq_q + i] = online::lse(m, l);
         }
       }
 
@@ -268,6 +275,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
         const index_t n_chunks = chunks[ub];
         if (n_chunks == 1) continue;
         const Acc* parts = partial.data() + (first[ub] + h_kv) * rows * prow;  // chunk c: c·heads_kv items on
+        const bound_mods mods = mask_of(b).mods;
         for (index_t r = 0; r < rows; ++r) {
           Acc big_m = neg_inf;
           bool saw_nan = false;
@@ -285,16 +293,18 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
             for (index_t c = 0; c < n_chunks; ++c) {
               const Acc* part = parts + (c * p.heads_kv * rows + r) * prow;
               if (part[1] <= Acc(0)) continue;
-              const Acc w = std::exp2(part[0] - big_m);
+              const Acc w = online::part_weight(part[0], part[1], big_m);
               big_l += w * part[1];
               for (index_t x = 0; x < d; ++x) row[x] += w * part[2 + x];
             }
           }
           const index_t h = h_kv * g + r / p.seq_q, i = r % p.seq_q;
           T* orow = o.row(b, h, i);
-          const Acc inv_l = inverse_row_sum(big_l);
+          const Acc sink_alpha =
+              online::add_sink(big_m, big_l, mods.sink<Acc>(h) * static_cast<Acc>(log2e));
+          const Acc inv_l = online::inverse_sum(big_l) * sink_alpha;
           for (index_t x = 0; x < d; ++x) orow[x] = static_cast<T>(row[x] * inv_l);
-          if (lse) lse[(b * p.heads + h) * p.seq_q + i] = row_lse(big_m, big_l);
+          if (lse) lse[(b * p.heads + h) * p.seq_q + i] = online::lse(big_m, big_l);
         }
       }
     }

@@ -80,25 +80,37 @@ void naive_head(const problem& p, const tensor_ref<const T>& q, const tensor_ref
   // Pass 1: S = Q·Kᵀ (seq_q × seq_kv), materialised.
   ws.s.noalias() = ws.q * ws.k.transpose();
 
-  // Pass 2: S = scale·S; entries the mask forbids become −inf.
+  // Pass 2: S = scale·S, or with score modifiers S = softcap(scale·S) + alibi(h, i, j) (core/score_mod.hpp);
+  // entries the mask forbids become −inf.
   const Acc scale = static_cast<Acc>(p.softmax_scale());
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-  for (index_t i = 0; i < p.seq_q; ++i)
-    for (index_t j = 0; j < p.seq_kv; ++j) ws.s(i, j) = head_mask.allowed(i, j) ? scale * ws.s(i, j) : neg_inf;
+  const bound_mods& mods = mods_of(head_mask);
+  if (mods.changes_scores()) {
+    for (index_t i = 0; i < p.seq_q; ++i)
+      for (index_t j = 0; j < p.seq_kv; ++j)
+        ws.s(i, j) = head_mask.allowed(i, j) ? mods.apply(scale * ws.s(i, j), h, i, j) : neg_inf;
+  } else {
+    for (index_t i = 0; i < p.seq_q; ++i)
+      for (index_t j = 0; j < p.seq_kv; ++j) ws.s(i, j) = head_mask.allowed(i, j) ? scale * ws.s(i, j) : neg_inf;
+  }
 
-  // Pass 3: stable softmax per row: m = max_j S, P = exp(S − m), l = Σ_j P, P = P / l.
-  // A row with no allowed key has m = −inf: its P row is 0 and its lse −inf (never NaN). A NaN score makes m NaN
-  // (PropagateNaN), so the row's P, O and lse become NaN rather than the row passing for fully masked.
+  // Pass 3: stable softmax per row: m = max(max_j S, sink), P = exp(S − m), l = Σ_j P + exp(sink − m), P = P / l
+  // (the sink logit of head h joins the denominator only; −inf when sinks are off).
+  // A row with no allowed key has m = −inf: its P row is 0 and its lse −inf (never NaN), or the sink's logit. A NaN
+  // score makes m NaN (PropagateNaN), so the row's P, O and lse become NaN rather than the row passing for fully
+  // masked.
+  const Acc sink = mods.sink<Acc>(h);
   for (index_t i = 0; i < p.seq_q; ++i) {
     auto row = ws.s.row(i);
-    const Acc m = row.template maxCoeff<Eigen::PropagateNaN>();
-    if (m == neg_inf) {
+    const Acc row_max = row.template maxCoeff<Eigen::PropagateNaN>();
+    if (row_max == neg_inf) {
       row.setZero();
-      if (lse) lse[(b * p.heads + h) * p.seq_q + i] = -std::numeric_limits<float>::infinity();
+      if (lse) lse[(b * p.heads + h) * p.seq_q + i] = static_cast<float>(sink);
       continue;
     }
+    const Acc m = sink > row_max ? sink : row_max;  // a NaN row_max stays
     row = (row.array() - m).exp();
-    const Acc l = row.sum();
+    const Acc l = row.sum() + std::exp(sink - m);
     row /= l;
     if (lse) lse[(b * p.heads + h) * p.seq_q + i] = static_cast<float>(m + std::log(l));
   }

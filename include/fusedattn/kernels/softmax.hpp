@@ -1,11 +1,14 @@
 /// @file softmax.hpp
-/// The online softmax of the flash loop, one tile row at a time, in base 2 (the scores arrive already
-/// multiplied by scale·log2e), and the log-sum-exp merge of partial results. No tiling or masking here.
+/// The SIMD layer of the CPU online softmax: one tile row at a time, in base 2, around the scalar state of
+/// core/online_softmax.hpp; and the score modifiers applied to a row of scores. No tiling or masking here.
 #pragma once
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
+#include "../core/online_softmax.hpp"
+#include "../core/score_mod.hpp"
 #include "../core/types.hpp"
 #include "../cpu/simd.hpp"
 #include "../cpu/x86_kernels.hpp"
@@ -13,12 +16,75 @@
 namespace fusedattn {
 namespace kernels {
 
-/// log2(e): scores are kept in base 2 so the exponential is exp2.
-inline constexpr double log2e = 1.4426950408889634074;
-/// ln(2): converts a base-2 log-sum-exp back to the natural log.
-inline constexpr double ln2 = 0.6931471805599453094;
+/// The score modifiers a bound mask carries (`mods_of(mask)`), or none for a mask type without them (a rule
+/// written for one kernel or test).
+template <class Mask>
+auto mods_or_none(const Mask& m, int) -> decltype(bound_mods(mods_of(m))) {
+  return mods_of(m);
+}
+template <class Mask>
+bound_mods mods_or_none(const Mask&, long) {
+  return {};
+}
 
-/// One online-softmax step for one row of a tile.
+/// Turns one row of raw scores into base-2 logits with the score modifiers applied (core/score_mod.hpp):
+///   t_j = log2e · (cap(scale·s_j) + bias(h, i, key0 + j)),  j in [0, cols)  (cols a multiple of the vector width),
+/// where cap(x) = softcap·tanh(x / softcap) and bias = −slope_h·|key0 + j − (i + alibi_offset)|. The caller then runs
+/// online_softmax_row with c = 1. Keys the mask forbids are set to −inf after this step (a modifier never unmasks).
+/// Only called on rows whose call has mods.changes_scores(); the test is the caller's, once per tile.
+/// `cap_grad`, when not null (the backward pass), receives d cap(x)/dx = 1 − tanh²(x / softcap) per column (1 without
+/// softcap): the factor of softcap's chain rule.
+/// NaN in s stays NaN (tanh(NaN) = NaN); ±inf is capped to ±softcap when softcap is on.
+template <class Acc, class Arch>
+inline void modify_row(Acc* s, index_t cols, Acc scale, const bound_mods& mods, index_t h, index_t i, index_t key0,
+                       Acc* cap_grad = nullptr) {
+  using VA = cpu::xsimd_arch_t<Arch>;  // fusedattn's own arch tags compute this step on the compiled xsimd arch
+  using V = cpu::simd<Acc, VA>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  const bool capped = mods.softcap != 0.f;
+  const Acc cap = static_cast<Acc>(mods.softcap);
+  const Acc in_scale = capped ? scale / cap : scale;
+  const Acc out_scale = static_cast<Acc>(log2e) * (capped ? cap : Acc(1));
+  // ALiBi: −slope·|key0 + j − (i + offset)| = −slope·|base + j|.
+  const Acc slope2 = mods.alibi_slopes ? -static_cast<Acc>(mods.alibi_slopes[h]) * static_cast<Acc>(log2e) : Acc(0);
+  const Acc base = static_cast<Acc>(key0 - (i + mods.alibi_offset));
+  Acc lane[W];
+  for (index_t x = 0; x < W; ++x) lane[x] = static_cast<Acc>(x);
+  const vec iota = V::load(lane);
+  const auto tanh_v = [](const vec& x) {
+    if constexpr (std::is_same<VA, scalar_arch>::value) return std::tanh(x);
+    else return xsimd::tanh(x);
+  };
+  const auto abs_v = [](const vec& x) {
+    if constexpr (std::is_same<VA, scalar_arch>::value) return std::abs(x);
+    else return xsimd::abs(x);
+  };
+  const auto run = [&](auto cap_on, auto alibi_on) {
+    const vec vin = V::broadcast(in_scale), vout = V::broadcast(out_scale), vslope = V::broadcast(slope2);
+    const vec one = V::broadcast(Acc(1));
+    for (index_t j = 0; j < cols; j += W) {
+      vec x = V::mul(V::load(s + j), vin);
+      if constexpr (decltype(cap_on)::value) {
+        x = tanh_v(x);
+        if (cap_grad) V::store(cap_grad + j, V::sub(one, V::mul(x, x)));  // a pointer test, hoisted by the compiler
+      } else if (cap_grad) {
+        V::store(cap_grad + j, one);
+      }
+      x = V::mul(x, vout);
+      if constexpr (decltype(alibi_on)::value)
+        x = V::fma(abs_v(V::add(iota, V::broadcast(base + static_cast<Acc>(j)))), vslope, x);
+      V::store(s + j, x);
+    }
+  };
+  using on = std::true_type;
+  using off = std::false_type;
+  if (capped && mods.alibi_slopes) run(on{}, on{});
+  else if (capped) run(on{}, off{});
+  else run(off{}, on{});
+}
+
+/// One online-softmax step for one row of a tile (the state update is online::update).
 ///   s: the row's raw scores q·k_j, `cols` of them (a multiple of the vector width); keys the mask forbids, and
 ///      padding columns, hold −inf. On return s holds p_j = 2^(c·s_j − m_new).
 ///   c: scale·log2e (> 0), so c·s_j is the logit in base 2;
@@ -45,7 +111,7 @@ inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
   vec vmax = V::broadcast(neg_inf);
   for (index_t j = 0; j < cols; j += W) vmax = V::max(V::load(s + j), vmax);
   const Acc tile_max = V::reduce_max(vmax) * c;
-  const Acc m_new = tile_max > m ? tile_max : m;
+  const Acc m_new = online::new_max(m, tile_max);
   if (m_new == neg_inf) {
     bool saw_nan = false;
     for (index_t j = 0; j < cols; ++j) {
@@ -64,24 +130,7 @@ inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
     V::store(s + j, p);
     vsum = V::add(vsum, p);
   }
-  const Acc alpha = std::exp2(m - m_new);  // m = −inf gives 0: nothing accumulated yet
-  l = alpha * l + V::reduce_add(vsum);
-  m = m_new;
-  return alpha;
-}
-
-/// 1 / l for the finish O = acc / l: 0 for a row that saw no key (l = 0, acc = 0, so O = 0); NaN for a row that
-/// met a NaN (l = NaN), so its whole O row is NaN.
-template <class Acc>
-inline Acc inverse_row_sum(Acc l) {
-  return l == Acc(0) ? Acc(0) : Acc(1) / l;
-}
-
-/// lse = m·ln2 + ln l of a finished row: −inf for a row that saw no key (l = 0), NaN for a row that met a NaN.
-template <class Acc>
-inline float row_lse(Acc m, Acc l) {
-  return l == Acc(0) ? -std::numeric_limits<float>::infinity()
-                     : static_cast<float>(m * static_cast<Acc>(ln2) + std::log(l));
+  return online::update(m, l, m_new, V::reduce_add(vsum));  // α = 0 when m = −inf: nothing accumulated yet
 }
 
 }  // namespace kernels

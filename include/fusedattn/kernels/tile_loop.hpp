@@ -331,8 +331,13 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
     v_head = kt_head + f.panels * f.d * f.cols;
   }
 
-  // Q tile (qn × d), converted to Acc. The scale is applied in the softmax.
+  // Q tile (qn × d), converted to Acc. The scale is applied in the softmax, or by modify_row when the call's
+  // score modifiers change the scores (then S holds base-2 logits and the softmax multiplies by 1).
   const Acc c_log2 = static_cast<Acc>(p.softmax_scale() * log2e);
+  const bound_mods mods = mods_or_none(mask, 0);
+  const bool modify = mods.changes_scores();
+  const Acc c_softmax = modify ? Acc(1) : c_log2;
+  const Acc sink2 = mods.template sink<Acc>(h) * static_cast<Acc>(log2e);
   for (index_t i = 0; i < qn; ++i) {
     const T* qr = call.q.row(b, h, q0 + i);
     Acc* dst = sc.q.data() + i * f.d;
@@ -370,12 +375,14 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
       const index_t j0 = k0 - kb, j1 = k1 - kb;
       for (index_t i = 0; i < qn; ++i) {
         Acc* srow = sc.s.data() + i * f.lds;
+        // Score modifiers (softcap, ALiBi) on the whole panel-aligned row, before the mask sets −inf.
+        if (modify) modify_row<Acc, Arch>(srow, width, static_cast<Acc>(p.softmax_scale()), mods, h, q0 + i, kb);
         for (index_t j = 0; j < j0; ++j) srow[j] = neg_inf;
         for (index_t j = j1; j < width; ++j) srow[j] = neg_inf;
         if (partial) mask_row(mask, q0 + i, kb, j0, j1, srow);
         // P row (1 × width) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
         sc.alpha[static_cast<std::size_t>(i)] = online_softmax_row<Acc, Arch>(
-            srow, width, c_log2, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
+            srow, width, c_softmax, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
       }
 
       // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on. A partial tile whose V
@@ -390,10 +397,11 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
     }
   }
 
-  // Finish: O = acc / l, lse = m·ln2 + ln l; a row that saw no key gets O = 0, lse = −inf; one that met a NaN
-  // (l = NaN) gets O = lse = NaN.
+  // Finish: the sink logit joins l (online::add_sink; nothing when sinks are off), O = acc / l, lse = m·ln2 + ln l;
+  // a row that saw no key gets O = 0, lse = −inf (or the sink's logit); one that met a NaN gets O = lse = NaN.
+  // A decode-split part stores (m, l, acc) without the sink: merge_chunks adds it once.
   for (index_t i = 0; i < qn; ++i) {
-    const Acc m = sc.m[static_cast<std::size_t>(i)], l = sc.l[static_cast<std::size_t>(i)];
+    Acc m = sc.m[static_cast<std::size_t>(i)], l = sc.l[static_cast<std::size_t>(i)];
     const Acc* a = sc.acc.data() + i * f.dp;
     if (partial_out) {
       Acc* dst = partial_out + i * partial_row(f);
@@ -403,16 +411,17 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
       continue;
     }
     T* orow = call.o.row(b, h, q0 + i);
-    const Acc inv_l = inverse_row_sum(l);
+    const Acc sink_alpha = online::add_sink(m, l, sink2);
+    const Acc inv_l = online::inverse_sum(l) * sink_alpha;
     for (index_t c = 0; c < f.d; ++c) orow[c] = static_cast<T>(a[c] * inv_l);
-    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = row_lse(m, l);
+    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = online::lse(m, l);
   }
 }
 
 /// Decode split: merges the chunks' partial rows of one q-tile in chunk order (so the result does not depend on
 /// which thread ran which chunk). `row` is d accumulators of scratch.
-/// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; O = Σ w_c·acc_c / L; lse = M·ln2 + ln L.
-/// A chunk that met a NaN (l_c = NaN) makes L = NaN, so O = lse = NaN, whatever M is.
+/// Math: M = max_c m_c; w_c = 2^(m_c − M); L = Σ w_c·l_c; then the sink joins (M, L) (online::add_sink);
+/// O = Σ w_c·acc_c / L; lse = M·ln2 + ln L. A chunk that met a NaN (l_c = NaN) makes L = NaN, so O = lse = NaN.
 template <class T, class Mask, class KV>
 void merge_chunks(const flash_call<T, Mask, KV>& call, index_t b, index_t h, index_t q0, index_t q1,
                   const accum_t<T>* parts, accum_t<T>* row) {
@@ -420,6 +429,7 @@ void merge_chunks(const flash_call<T, Mask, KV>& call, index_t b, index_t h, ind
   const problem& p = call.p;
   const flash_plan& f = call.plan;
   const index_t stride_chunk = f.bq_pad * partial_row(f);
+  const Acc sink2 = mods_or_none(call.mask, 0).template sink<Acc>(h) * static_cast<Acc>(log2e);
   for (index_t i = 0; i < q1 - q0; ++i) {
     Acc big_m = -std::numeric_limits<Acc>::infinity();
     bool saw_nan = false;
@@ -436,15 +446,16 @@ void merge_chunks(const flash_call<T, Mask, KV>& call, index_t b, index_t h, ind
       for (index_t c = 0; c < f.chunks; ++c) {
         const Acc* part = parts + c * stride_chunk + i * partial_row(f);
         if (part[1] <= Acc(0)) continue;
-        const Acc w = std::exp2(part[0] - big_m);
+        const Acc w = online::part_weight(part[0], part[1], big_m);
         big_l += w * part[1];
         for (index_t col = 0; col < f.d; ++col) row[col] += w * part[2 + col];
       }
     }
     T* orow = call.o.row(b, h, q0 + i);
-    const Acc inv_l = inverse_row_sum(big_l);
+    const Acc sink_alpha = online::add_sink(big_m, big_l, sink2);
+    const Acc inv_l = online::inverse_sum(big_l) * sink_alpha;
     for (index_t col = 0; col < f.d; ++col) orow[col] = static_cast<T>(row[col] * inv_l);
-    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = row_lse(big_m, big_l);
+    if (call.lse) call.lse[(b * p.heads + h) * p.seq_q + q0 + i] = online::lse(big_m, big_l);
   }
 }
 
