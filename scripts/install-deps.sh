@@ -6,9 +6,11 @@
 #   optional peers: libopenblas-dev (naive-on-BLAS peer), python3-matplotlib (bench/plot.py)
 #   fuzzing:        clang-14 libclang-rt-14-dev (libFuzzer, ASan, UBSan runtimes) libomp-14-dev (clang's OpenMP)
 #   distributed:    libopenmpi-dev openmpi-bin (fusedattn/dist over MPI, its tests under mpirun)
+#   aarch64:        g++-aarch64-linux-gnu qemu-user (the NEON build cross-compiled, its tests run by qemu-aarch64;
+#                   the header-only Eigen, xsimd and Catch2 packages above serve both architectures)
 set -euo pipefail
 pkgs=(cmake g++ make libeigen3-dev libxsimd-dev xtl-dev catch2 libbenchmark-dev libopenblas-dev python3-matplotlib
-  clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin)
+  clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin g++-aarch64-linux-gnu qemu-user)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -22,3 +24,8 @@ sudo=""
 echo "install-deps: installing ${missing[*]}"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The cross toolchain and the emulator are called by name (cmake/toolchain-aarch64.cmake, run-tests stage 8).
+for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
+  command -v "$tool" >/dev/null ||
+    { echo "install-deps: $tool is missing after the install (g++-aarch64-linux-gnu, qemu-user)"; exit 1; }
+done
