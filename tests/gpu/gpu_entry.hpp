@@ -1,5 +1,5 @@
 /// @file gpu_entry.hpp
-/// The bridge of the GPU tests: `attend_cuda` is attend(policy::cuda{...}) compiled by nvcc in gpu_entry.cu, callable
+/// The bridge of the GPU tests: `attend_cuda` is attend(policy::cuda{...}) compiled by nvcc in gpu_entry*.cu, callable
 /// from the Catch2 files that g++ compiles; plus a device buffer and the device check. Not part of the library.
 #pragma once
 
@@ -45,6 +45,17 @@ template <class T>
 status attend_cuda_own_stream(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q,
                               tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const any_mask& mask,
                               float* lse);
+
+/// attend(policy::cuda{nullptr, kernel}, ...) with score modifiers: `mask` holds device pointers
+/// for the ALiBi slopes and sink logits.
+template <class T>
+status attend_cuda_mods(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                        tensor_ref<const T> v, tensor_ref<T> o, const modified<any_mask>& mask, float* lse);
+
+/// fa::plan of that call.
+template <class T>
+kernel_plan plan_cuda_mods(policy::cuda_kernel kernel, const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
+                           tensor_ref<const T> v, tensor_ref<T> o, const modified<any_mask>& mask, float* lse);
 
 /// fa::plan(policy::cuda{nullptr, kernel}, ...) on device pointers: the kernel attend would run, its scratch, why.
 template <class T>

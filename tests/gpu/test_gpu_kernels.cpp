@@ -144,8 +144,9 @@ void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& m
   CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
 }
 
-/// Shapes for flash: every head_dim it takes (32, 64, 96, 128, 256) with tails of its q-tile (128 rows; 64 at
-/// head_dim 256) and key tile (64 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
+/// Shapes for flash: every tile width (32, 64, 96, 128, 256) and head_dims between them (8, 40, 80, 136, 200: the
+/// next tile, its columns past head_dim zero) with tails of its q-tile (128 rows; 64 at head_dim 256) and key tile
+/// (64 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
 std::vector<problem> flash_shapes() {
   return {
       {1, 1, 1, 1, 1, 64},       {1, 2, 2, 7, 7, 128},     {2, 3, 3, 127, 127, 64},  {1, 2, 1, 128, 128, 128},
@@ -153,7 +154,8 @@ std::vector<problem> flash_shapes() {
       {2, 4, 1, 33, 65, 128},    {1, 1, 1, 1, 300, 64},    {1, 2, 1, 257, 191, 128}, {1, 2, 2, 520, 520, 64},
       {1, 1, 1, 1, 1, 32},       {2, 4, 2, 129, 300, 32},  {1, 2, 1, 520, 127, 32},  {1, 2, 2, 7, 7, 96},
       {1, 4, 2, 300, 129, 96},   {2, 2, 1, 128, 513, 96},  {1, 1, 1, 1, 1, 256},     {1, 4, 2, 65, 200, 256},
-      {1, 2, 1, 300, 64, 256},   {1, 2, 2, 129, 129, 256},
+      {1, 2, 1, 300, 64, 256},   {1, 2, 2, 129, 129, 256},  {1, 2, 2, 65, 130, 8},    {2, 4, 2, 129, 300, 40},
+      {1, 4, 2, 300, 129, 80},   {1, 2, 1, 200, 77, 136},   {1, 2, 2, 70, 150, 200},
   };
 }
 
@@ -165,7 +167,7 @@ TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eige
   const auto shapes = flash_shapes();
   const auto masks = all_masks();
   const layout layouts[] = {layout::bhsd, layout::bshd};
-  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 22));
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 27));
   const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync);
   REQUIRE(shape_index < shapes.size());
   for (std::size_t m = 0; m < masks.size(); ++m)
@@ -185,9 +187,10 @@ TEMPLATE_TEST_CASE("cuda naive matches the float64 oracle", "[gpu][naive]", floa
 
 TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, naive elsewhere, both right", "[gpu][automatic]",
                    Eigen::half, Eigen::bfloat16, float) {
-  // padded rows (stride d + 3) and head_dim 80 take the naive path; bhsd with head_dim 128 takes flash.
+  // padded rows (stride d + 3) and head_dim 20 take the naive path; bhsd with head_dim 128 or 80 takes flash.
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 1, 100, 130, 128}, layout::padded, causal{});
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 80}, layout::bhsd, dense{});
+  check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 20}, layout::bhsd, dense{});
   check_gpu<TestType>(cuda_kernel::automatic, {2, 2, 2, 100, 130, 128}, layout::bhsd, window{7, 2});
 }
 
@@ -343,16 +346,16 @@ TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing writt
     // Host memory still runs there.
     CHECK(gpu::attend_cpu_naive(p, cf.q.cview(), cf.k.cview(), cf.v.cview(), cf.o.view, nullptr).ok());
   }
-  // Flash asked for where it does not apply: head_dim 80, f32.
-  const problem p80{1, 1, 1, 16, 16, 80};
-  gpu::device_buffer<Eigen::half> big(std::vector<Eigen::half>(16 * 80 * 4, Eigen::half(0.5f)));
+  // Flash asked for where it does not apply: head_dim 20 (not a multiple of 8), f32.
+  const problem p20{1, 1, 1, 16, 16, 20};
+  gpu::device_buffer<Eigen::half> big(std::vector<Eigen::half>(16 * 24 * 4, Eigen::half(0.5f)));
   Eigen::half* base = big.data();
-  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::flash, p80, bhsd<const Eigen::half>(base, p80.q_dims()),
-                                     bhsd<const Eigen::half>(base + 16 * 80, p80.kv_dims()),
-                                     bhsd<const Eigen::half>(base + 32 * 80, p80.kv_dims()),
-                                     bhsd(base + 48 * 80, p80.o_dims()), dense{}, nullptr);
+  st = gpu::attend_cuda<Eigen::half>(cuda_kernel::flash, p20, bhsd<const Eigen::half>(base, p20.q_dims()),
+                                     bhsd<const Eigen::half>(base + 16 * 24, p20.kv_dims()),
+                                     bhsd<const Eigen::half>(base + 32 * 24, p20.kv_dims()),
+                                     bhsd(base + 48 * 24, p20.o_dims()), dense{}, nullptr);
   CHECK(st.code() == errc::unsupported);
-  CHECK(std::string(st.what()).find("head_dim is 80") != std::string::npos);
+  CHECK(std::string(st.what()).find("head_dim is 20") != std::string::npos);
   gpu::device_buffer<float> f(std::vector<float>(16 * 64 * 4, 0.5f));
   st = gpu::attend_cuda<float>(cuda_kernel::flash, p, bhsd<const float>(f.data(), p.q_dims()),
                                bhsd<const float>(f.data() + 16 * 64, p.kv_dims()),

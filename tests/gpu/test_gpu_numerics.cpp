@@ -296,21 +296,31 @@ TEST_CASE("cuda plan: the kernel attend runs, its scratch, and why it is not fus
     REQUIRE(pl);
     CHECK(pl.fused);
     CHECK(pl.kernel.rfind("cuda.flash", 0) == 0);
-    CHECK(pl.scratch_bytes == 0);
+    CHECK(pl.scratch_bytes == sizeof(int));  // the repair pass's flag (a causal mask leaves masked keys in tiles)
     CHECK(pl.why.empty());
   }
-  {  // head_dim 80: automatic falls back to the naive pipeline, and says why
-    const problem p{1, 4, 2, 300, 200, 80};
+  {  // head_dim 20 (not a multiple of 8): automatic falls back to the naive pipeline, and says why
+    const problem p{1, 4, 2, 300, 200, 20};
     const kernel_plan pl = run_plan(cuda_kernel::automatic, p, dense{});
     INFO(pl.st.what() << " " << pl.kernel << ": " << pl.why);
     REQUIRE(pl);
     CHECK(pl.kernel == "cuda.naive");
     CHECK_FALSE(pl.fused);
-    CHECK(pl.why.find("head_dim is 80") != std::string::npos);
+    CHECK(pl.why.find("head_dim is 20") != std::string::npos);
     // packed Q (f16) and unpacked O (f32), packed K and V, S (f32) and P (f16), the non-finite V flag
-    const std::size_t expect_bytes = std::size_t(1 * 4 * 300 * 80) * 6 + std::size_t(1 * 2 * 200 * 80) * 4 +
+    const std::size_t expect_bytes = std::size_t(1 * 4 * 300 * 20) * 6 + std::size_t(1 * 2 * 200 * 20) * 4 +
                                      std::size_t(1 * 4 * 300 * 200) * 6 + sizeof(int);
     CHECK(pl.scratch_bytes == expect_bytes);
+  }
+  {  // head_dim 80 and 40: the mma.sync kernel on the 96 and 64 tiles
+    for (const index_t d : {index_t(40), index_t(80)}) {
+      const kernel_plan pl = run_plan(cuda_kernel::automatic, problem{1, 4, 2, 300, 200, d}, dense{});
+      INFO(pl.st.what() << " " << pl.kernel << ": " << pl.why);
+      REQUIRE(pl);
+      CHECK(pl.fused);
+      CHECK(pl.kernel == "cuda.flash_mma_sync");
+      CHECK(pl.why.empty());
+    }
   }
   {  // naive asked for
     const kernel_plan pl = run_plan(cuda_kernel::naive, problem{1, 2, 2, 64, 64, 64}, dense{});
@@ -319,7 +329,7 @@ TEST_CASE("cuda plan: the kernel attend runs, its scratch, and why it is not fus
     CHECK(pl.why.find("naive") != std::string::npos);
   }
   {  // flash asked for where it does not apply: the refusal attend returns
-    const kernel_plan pl = run_plan(cuda_kernel::flash, problem{1, 2, 2, 64, 64, 80}, dense{});
+    const kernel_plan pl = run_plan(cuda_kernel::flash, problem{1, 2, 2, 64, 64, 20}, dense{});
     CHECK_FALSE(pl);
     CHECK(pl.st.code() == errc::unsupported);
   }

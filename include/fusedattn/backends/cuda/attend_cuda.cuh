@@ -116,12 +116,18 @@ inline status layout_to_device(const block_sparse_mask& host, scratch_arena& are
 enum class flash_route { mma_sync, hopper_turns_64, hopper_whole_row_64, hopper_64, hopper_128, hopper_96, hopper_256 };
 
 /// The flash route of a call flash_applies accepted: a Hopper tile where hopper_flash_ready says yes (unless
-/// `portable`) and the tile fits the mask, else mma_sync. Errors only when the device cannot be asked.
+/// `portable`) and the tile fits the mask, else mma_sync (every other head_dim, on its padded tile). A call with
+/// score modifiers at head_dim 64 takes the default Hopper tile (the turns and whole-row tiles have no instantiation
+/// with modifiers). Errors only when the device cannot be asked.
 template <class Mask>
 status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t stream, bool portable, flash_route& route) {
   route = flash_route::mma_sync;
   const bool hopper_head_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
   if (portable || !hopper_head_dim || !hopper_flash_ready(stream)) return {};
+  if (p.head_dim == 64 && mods_of(mask).any()) {
+    route = flash_route::hopper_64;
+    return {};
+  }
   if (p.head_dim == 64) {
     int multiprocessors = 0;
     if (status st = device_multiprocessors(multiprocessors); !st) return st;
@@ -165,6 +171,51 @@ inline bool has_masked_keys(const band_mask& m) {
 }
 inline bool has_masked_keys(const block_sparse_mask&) { return true; }
 
+/// Runs the flash kernel (flash_applies must have said ok) on choose_flash_route's route; `Mods` picks the kernels'
+/// instantiation for calls with score modifiers.
+template <bool Mods, class E, class Mask>
+status run_flash_route(const problem& p, flash_params_t<Mask>& fp, const Mask& mask, cudaStream_t stream,
+                       bool portable) {
+  flash_route route = flash_route::mma_sync;
+  if (status st = choose_flash_route(p, mask, stream, portable, route); !st) return st;
+  const status no_tile{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"};
+  // The contract guard: where a mask leaves masked keys inside visited tiles (anything but no mask), the flash
+  // kernel raises a flag (a 4-byte scratch buffer) when a block's O holds an inf or NaN, and the repair pass (flash_repair_kernel) then reads
+  // O back and recomputes those q-blocks with plain_pv on tiles whose V has one: the tensor-core product cannot keep
+  // a masked key's P = 0 from an inf or NaN in its V row. With the flag down it returns at once.
+  const bool guarded = has_masked_keys(mask);
+  struct flag_owner {  // frees the flag in stream order, after every kernel of the call
+    void* ptr = nullptr;
+    cudaStream_t stream;
+    ~flag_owner() {
+      if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+    }
+  } flag{nullptr, stream};
+  if (guarded) {
+    if (status st = scratch_allocate(flag.ptr, sizeof(int), stream, "cudaMallocFromPoolAsync(repair pass flag)"); !st)
+      return st;
+    fp.nonfinite = static_cast<int*>(flag.ptr);
+    if (status st = from_cuda(cudaMemsetAsync(fp.nonfinite, 0, sizeof(int), stream), "cudaMemsetAsync(repair flag)");
+        !st)
+      return st;
+  }
+  const status launched = with_route_tile(route, p.head_dim, no_tile, [&](auto tile, auto hopper) {
+    using Tile = decltype(tile);
+    if constexpr (decltype(hopper)::value) {
+      constexpr bool default_tile = !(std::is_same_v<Tile, typename hopper_turns_tile<64>::type> ||
+                                      std::is_same_v<Tile, typename hopper_whole_row_tile<64>::type>);
+      if constexpr (Mods && !default_tile) return no_tile;
+      else return launch_flash_hopper<E, Tile, Mask, Mods>(fp, stream);
+    } else {
+      return launch_flash<E, Tile, Mask, Mods>(fp, stream);
+    }
+  });
+  if (!launched || !guarded) return launched;
+  return with_default_tile(p.head_dim, no_tile, [&](auto portable_tile) {
+    return launch_flash_repair<E, decltype(portable_tile), Mask, Mods>(fp, stream);
+  });
+}
+
 /// Runs the flash kernel (flash_applies must have said ok) on choose_flash_route's route.
 template <class T, class Mask>
 status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
@@ -177,33 +228,21 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                             int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                             static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     fp.head_dim = int(p.head_dim);
-    flash_route route = flash_route::mma_sync;
-    if (status st = choose_flash_route(p, mask, stream, portable, route); !st) return st;
-    const status no_tile{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"};
-    const status launched = with_route_tile(route, p.head_dim, no_tile, [&](auto tile, auto hopper) {
-      using Tile = decltype(tile);
-      if constexpr (decltype(hopper)::value) return launch_flash_hopper<E, Tile>(fp, stream);
-      else return launch_flash<E, Tile>(fp, stream);
-    });
-    // The contract guard: where a mask leaves masked keys inside visited tiles (anything but no mask), the repair
-    // pass reads O back and recomputes the q-blocks holding an inf or NaN with plain_pv on tiles whose V has one
-    // (flash_repair_kernel): the tensor-core product cannot keep a masked key's P = 0 from an inf or NaN in its V row.
-    if (!launched || !has_masked_keys(mask)) return launched;
-    return with_default_tile(p.head_dim, no_tile, [&](auto portable) {
-      return launch_flash_repair<E, decltype(portable)>(fp, stream);
-    });
+    if (mods_of(mask).any()) return run_flash_route<true, E>(p, fp, mask, stream, portable);
+    return run_flash_route<false, E>(p, fp, mask, stream, portable);
   } else {
     return flash_applies(p, q, k, v, o);  // says why not
   }
 }
 
-/// ok when every non-null pointer of the call is device memory, else the status naming the first one that is not.
+/// ok when every non-null pointer of the call is device memory (the score modifiers' slopes and sink logits too),
+/// else the status naming the first one that is not.
 template <class T>
 status check_device_pointers(const tensor_ref<const T>& q, const tensor_ref<const T>& k, const tensor_ref<const T>& v,
-                             const tensor_ref<T>& o, const float* lse) {
-  const void* ptrs[5] = {q.data, k.data, v.data, o.data, lse};
-  const char* names[5] = {"q", "k", "v", "o", "lse"};
-  for (int i = 0; i < 5; ++i)
+                             const tensor_ref<T>& o, const float* lse, const bound_mods& mods = {}) {
+  const void* ptrs[7] = {q.data, k.data, v.data, o.data, lse, mods.alibi_slopes, mods.sink_logits};
+  const char* names[7] = {"q", "k", "v", "o", "lse", "alibi.slopes", "sinks.logits"};
+  for (int i = 0; i < 7; ++i)
     if (ptrs[i] != nullptr)
       if (status st = check_device_pointer(ptrs[i], names[i]); !st) return st;
   return {};
@@ -239,27 +278,29 @@ status choose_kernel(const policy::cuda& pol, const problem& p, const tensor_ref
   return status::invalid("policy.kernel is not a valid fusedattn::policy::cuda_kernel value");
 }
 
-/// O = 0 and lse = −inf on every row (a call with seq_kv = 0: no row sees a key); one thread per element of O.
+/// O = 0 and lse = −inf on every row (a call with seq_kv = 0: no row sees a key), or lse = the head's sink logit with
+/// sinks; one thread per element of O.
 template <class E>
-__global__ void no_key_kernel(const tensor_ref<E> o, float* lse, index_t n) {
+__global__ void no_key_kernel(const tensor_ref<E> o, float* lse, index_t n, const bound_mods mods) {
   const dims4 d = o.dims;
   for (index_t e = blockIdx.x * index_t(blockDim.x) + threadIdx.x; e < n; e += index_t(gridDim.x) * blockDim.x) {
     const index_t c = e % d.d, s = (e / d.d) % d.s, bh = e / (d.d * d.s);
     o.row(bh / d.h, bh % d.h, s)[c] = narrow<E>(0.f);
-    if (lse != nullptr && c == 0) lse[e / d.d] = -INFINITY;
+    if (lse != nullptr && c == 0) lse[e / d.d] = mods.sink<float>(bh % d.h);
   }
 }
 
 /// Calls with a zero extent: nothing to compute. batch, heads or seq_q = 0: no output (`done`, nothing launched);
-/// seq_kv = 0: every row sees no key, O = 0 and lse = −inf (one fill kernel).
+/// seq_kv = 0: every row sees no key, O = 0 and lse = −inf, or the sink logit (one fill kernel).
 template <class T>
-status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, cudaStream_t stream, bool& done) {
+status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, const bound_mods& mods, cudaStream_t stream,
+                    bool& done) {
   done = empty_call(p);
   if (!done || p.batch == 0 || p.heads == 0 || p.seq_q == 0) return {};
   using E = device_t<T>;
   const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
   const tensor_ref<E> oe{reinterpret_cast<E*>(o.data), o.dims, o.stride};
-  no_key_kernel<E><<<elementwise_grid(n), 256, 0, stream>>>(oe, lse, n);
+  no_key_kernel<E><<<elementwise_grid(n), 256, 0, stream>>>(oe, lse, n, mods);
   return last_launch("no_key_kernel");
 }
 
@@ -269,12 +310,12 @@ status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, cudaSt
 template <class T, class Mask>
 status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
               const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse) {
-  if (status st = check_device_pointers(q, k, v, o, lse); !st) return st;
+  if (status st = check_device_pointers(q, k, v, o, lse, mods_of(mask)); !st) return st;
   const auto stream = static_cast<cudaStream_t>(pol.stream);
   bool flash = false, empty = false;
   std::string why;
   if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return st;
-  if (status st = attend_empty(p, o, lse, stream, empty); !st || empty) return st;
+  if (status st = attend_empty(p, o, lse, mods_of(mask), stream, empty); !st || empty) return st;
   if (flash) return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
   return naive_attention(p, q, k, v, o, mask, lse, stream);
 }
@@ -286,7 +327,6 @@ namespace detail {
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const block_sparse_mask& mask, float* lse) {
-  if (status st = mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return st;
   if (cuda_backend::empty_call(p)) return cuda_backend::attend(pol, p, q, k, v, o, mask, lse);  // reads no layout
   const auto stream = static_cast<cudaStream_t>(pol.stream);
   cuda_backend::scratch_arena arena(stream);
@@ -300,7 +340,6 @@ template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const cuda::device_block_sparse_mask& mask,
            float* lse) {
-  if (status st = mods_unsupported(cuda::mods_of(mask), "the CUDA backend"); !st) return st;
   if (status st = cuda::check_geometry(mask.geometry, p); !st) return st;
   return cuda_backend::attend(pol, p, q, k, v, o, mask.mask, lse);
 }
@@ -325,7 +364,6 @@ status run(const policy::cpu<Arch>&, const problem&, const tensor_ref<const T>&,
 template <class T>
 status run(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
            const tensor_ref<const T>& v, const tensor_ref<T>& o, const band_mask& mask, float* lse) {
-  if (status st = mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return st;
   return cuda_backend::attend(pol, p, q, k, v, o, mask, lse);
 }
 }  // namespace detail

@@ -1,15 +1,19 @@
 /// @file flash.cuh
 /// The fused forward kernel on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16 and
-/// bf16, head_dim 32, 64, 96, 128 and 256, every band mask and block-sparse layouts, GQA/MQA and any sequence
-/// lengths. Not the dispatch (attend_cuda.cuh).
+/// bf16, every head_dim that is a multiple of 8 up to 256 (tiles of 32, 64, 96, 128 and 256 columns; a head_dim
+/// between them runs the next wider tile with the columns past it read as zeros and not stored), every band mask
+/// and block-sparse layouts, score modifiers (softcap, ALiBi, sinks), GQA/MQA and any sequence lengths. Not the
+/// dispatch (attend_cuda.cuh).
 ///
 /// One thread block owns `block_m` query rows of one (batch, head); each warp owns 16 or 32 of them. The block walks
 /// the key tiles of the mask's segments (a band's kv_range; a block-sparse row's runs), `block_n` keys at a time:
 ///   S = Q·Kᵀ            (warp: 16 or 32 × block_n, Q fragments from registers or shared memory, K from shared)
+///   S = S'/scale with S' = softcap(scale·S) + alibi    (only in the instantiation for calls with modifiers)
 ///   S = −inf where the mask forbids (only on tiles is_partial reports)
 ///   m' = max(m, rowmax(scale·S)),  P = exp(scale·S − m'),  l = l·exp(m − m') + rowsum(P),  O = O·exp(m − m')
 ///   O += P·V            (P re-packed from the S accumulators to 16-bit A fragments, V via transposed ldmatrix)
-/// and at the end O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e) folded in.
+/// and at the end l += e^sink (with sinks), O /= l, lse = m + log l. Exponentials are base 2 with scale·log2(e)
+/// folded in.
 /// Loads are cp.async 16-byte copies into XOR-swizzled shared tiles (swizzle: conflict-free for rows of 4, 8, 12,
 /// 16 or 32 chunks): with one K/V buffer, V of tile t streams in during Q·Kᵀ of tile t and K of tile t + 1 during
 /// P·V of tile t; with two, K and V of tile t + 1 during all of t. Calls with too few blocks for the GPU
@@ -27,6 +31,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "../../core/online_softmax.hpp"
 #include "../../core/status.hpp"
 #include "../../core/tensor.hpp"
 #include "../../kernels/block_sparse.hpp"
@@ -69,10 +74,13 @@ struct flash_params_t {
   /// head, 1 q-block first across all heads (every head's heaviest q-block, then the next ...), handed to the
   /// blocks of the persistent grid in a snake.
   int q_block_major = 0;
-  /// The problem's head_dim: the columns of Q, K, V and O (0: the tile's). Only the Hopper kernel's 128 tile runs a
-  /// smaller one (96: its tensor maps read the columns past it as zeros, its stores and flash_merge_kernel stop at
-  /// it); every other tile's head_dim is the problem's.
+  /// The problem's head_dim: the columns of Q, K, V and O (0: the tile's). A tile wider than it (the Hopper 128
+  /// tile for 96; the mma.sync tile of the next supported width for any multiple of 8) reads the columns past it as
+  /// zeros (tensor maps, or predicated copies), and its stores and flash_merge_kernel stop at it.
   int head_dim = 0;
+  /// The repair pass's flag (launch_flash_repair; null: no repair follows): a block whose O holds an inf or NaN
+  /// sets it to 1, and flash_repair_kernel returns at once while it is 0.
+  int* nonfinite = nullptr;
 };
 using flash_params = flash_params_t<band_mask>;
 
@@ -122,21 +130,88 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 }
 
 /// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory;
-/// rows at and past `valid` are zero-filled (never read).
+/// rows at and past `valid` are zero-filled (never read), and so are the 16-byte chunks at and past `valid_chunks`
+/// (a head_dim narrower than the tile's: those columns add nothing to Q·Kᵀ and are not stored).
 template <class Tile, int Rows, class E>
-__device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s, int valid) {
+__device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s, int valid, int valid_chunks) {
   for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
     const int r = c / Tile::chunks, ch = c % Tile::chunks;
-    const bool ok = r < valid;
-    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + ch * 8, ok);
+    const bool ok = r < valid && ch < valid_chunks;
+    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + (ok ? ch : 0) * 8, ok);
   }
+}
+
+/// The score modifiers of one (batch, head) in the form the flash tile loops apply them (core/score_mod.hpp's
+/// bound_mods::apply, for scores kept unscaled): the loops exponentiate 2^(scale·log2e·S − m) on the raw S = q·k, so
+/// a tile with modifiers is rewritten in place to
+///   S' = apply(scale·S, h, i, j) / scale = cap_out·tanh(S·cap_in) − slope·|j − i − offset|,
+///   cap_in = scale / cap, cap_out = cap / scale, slope = slope_h / scale (offset: bound_mods::alibi_offset),
+/// and the softmax runs unchanged. tanh(x) = 1 − 2 / (2^(2·log2e·x) + 1) on the special-function unit (absolute
+/// error about 2^-21; ±inf give ±1, NaN stays NaN). The sink, in base 2 (−inf when off), joins the epilogue only
+/// (add_sink). Built only in the kernels' instantiation for calls with modifiers (`Mods`).
+struct tile_mods {
+  float cap_in2 = 0.f;  ///< 2·log2e·scale / cap; 0: no softcap
+  float cap_out = 0.f;  ///< cap / scale
+  float slope = 0.f;    ///< slope_h / scale
+  float offset = 0.f;   ///< bound_mods::alibi_offset
+  float sink2 = -INFINITY;  ///< sink_h · log2e, or −inf
+  bool capped = false, biased = false;
+  tile_mods() = default;
+  __device__ __forceinline__ tile_mods(const bound_mods& m, int h, float scale_log2) {
+    constexpr float log2e = 1.4426950408889634f;
+    const float scale = scale_log2 / log2e;
+    capped = m.softcap != 0.f;
+    biased = m.alibi_slopes != nullptr;
+    if (capped) cap_in2 = 2.f * scale_log2 / m.softcap, cap_out = m.softcap / scale;
+    if (biased) slope = m.alibi_slopes[h] / scale, offset = float(m.alibi_offset);
+    sink2 = m.sink<float>(h) * log2e;
+  }
+  /// S' of the raw score s of row i, key j.
+  __device__ __forceinline__ float apply(float s, int i, int j) const {
+    if (capped) s = cap_out * (1.f - __fdividef(2.f, fast_exp2(s * cap_in2) + 1.f));
+    if (biased) s -= slope * fabsf(float(j - i) - offset);
+    return s;
+  }
+  /// Applies the modifiers to a thread's part of a 16-row score tile (m16n8 accumulators: s[n][e] is row
+  /// `row` + 8·(e / 2), key k0 + 8n + 2t + e % 2), when the call has any that change scores.
+  template <int BN>
+  __device__ __forceinline__ void apply_tile(float (&s)[BN / 8][4], int row, int k0, int t) const {
+    if (!capped && !biased) return;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = apply(s[n][e], row + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
+  }
+};
+
+/// The modifiers of head h of a call, for the kernels' instantiation `Mods` (a default, unused tile_mods without).
+template <bool Mods, class Mask>
+__device__ __forceinline__ tile_mods make_tile_mods(const Mask& mask, int h, float scale_log2) {
+  if constexpr (Mods) return tile_mods(mods_of(mask), h, scale_log2);
+  else return tile_mods{};
+}
+
+/// A finished row's sink: core/online_softmax.hpp's online::add_sink on the row max m and its sum l (over the quad),
+/// in base 2; returns the factor O's accumulator takes. A row that saw no key gets O = 0, lse = the sink logit.
+__device__ __forceinline__ float add_sink(float& m, float& l, float sink2) { return online::add_sink(m, l, sink2); }
+
+/// Raises the repair pass's flag (p.nonfinite, when set) if a thread's accumulators hold an inf or NaN: their sum is
+/// then non-finite (a finite sum that overflows raises it too, which only costs a repair that finds nothing).
+template <int N>
+__device__ __forceinline__ void flag_nonfinite(int* nonfinite, const float (&acc)[N][4]) {
+  if (nonfinite == nullptr) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) sum += (acc[n][0] + acc[n][1]) + (acc[n][2] + acc[n][3]);
+  if (!isfinite(sum)) *nonfinite = 1;
 }
 
 /// One q-block of the mma.sync kernel: rows [m_block·block_m, ...) of head h, batch and split `bz` (batch · splits +
 /// split); flash_forward_kernel runs one a block, flash_repair_kernel those it finds non-finite. `Guarded` (the
 /// repair kernel only) checks, on each tile with masked keys, whether its V holds an inf or NaN, and if so takes
 /// plain_pv for that tile's P·V; the tensor cores would form 0·inf for a masked key (docs/design.md, Numerics).
-template <class E, class Tile, class Mask, bool Guarded>
+/// `Mods`: the call has score modifiers (tile_mods; calls without run the instantiation that has no trace of them).
+template <class E, class Tile, class Mask, bool Guarded, bool Mods = false>
 __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& p, int m_block, int h, int bz) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
   constexpr bool band = std::is_same_v<Mask, band_mask>;
@@ -162,6 +237,8 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
   E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+  // 16-byte chunks of a row that hold the problem's columns; those past them load as zeros and are not stored.
+  const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : CH;
 
   // The key tiles (key_tiles): each of the mask's segments (one for a band, the runs of listed blocks for
   // block-sparse) cut into BN-aligned tiles; a split (band only) takes its share of the one segment; k0 = -1 ends.
@@ -169,13 +246,15 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
   const int k_first = tiles.first(split, p.splits);
+  [[maybe_unused]] const tile_mods mods = make_tile_mods<Mods>(mask, h, p.scale_log2);
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
-  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0);
+  load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0, cols_ch);
   if (k_first >= 0) {
-    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN));
+    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN), cols_ch);
     if constexpr (Tile::stages == 2)
-      load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows_left(k_first, p.seq_kv, BN));
+      load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows_left(k_first, p.seq_kv, BN),
+                          cols_ch);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -203,7 +282,7 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
     const E* sv_t = sv + stage * BN * D;
     if constexpr (Tile::stages == 1) {
       // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
-      load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN));
+      load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN), cols_ch);
       cp_async_commit();
     } else {
       // K and V of the next tile stream into the other buffer while this whole tile runs (every warp finished the
@@ -211,8 +290,8 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
       k_next = tiles.next(k0);
       if (k_next >= 0) {
         const int rows = rows_left(k_next, p.seq_kv, BN);
-        load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows);
-        load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows);
+        load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+        load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
         cp_async_commit();
       }
     }
@@ -257,6 +336,7 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
     [[maybe_unused]] bool warp_partial = false;  // some row of this warp has a masked key in the tile (Guarded)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+      if constexpr (Mods) mods.apply_tile<BN>(s[mt], mt_row(mt) + g, k0, t);  // S' = apply(scale·S) / scale
       const bool masked = past_edge || rule.is_partial(mt_row(mt), mt_end(mt), k0, k0 + BN);
       warp_partial = warp_partial || masked;
       if (masked) {
@@ -308,7 +388,8 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
       __syncthreads();  // V landed; every warp is done with this K tile
       k_next = tiles.next(k0);
       if (k_next >= 0) {
-        load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN));
+        load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN),
+                            cols_ch);
         cp_async_commit();
       }
     }
@@ -349,10 +430,13 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   }
 
   // O = acc / l; lse = ln 2 · (m + log2 l). A row that saw no key (l = 0): O = 0, lse = −inf. A NaN logit left
-  // l = NaN (exp2 of it, summed; no later step clears it): O and lse NaN.
+  // l = NaN (exp2 of it, summed; no later step clears it): O and lse NaN. With sinks, the sink joins l first
+  // (add_sink; a split's parts leave it to flash_merge_kernel).
   // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks;
   // a split writes its part in f32 straight from the accumulators instead.
   constexpr float ln2 = 0.69314718055994531f;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) flag_nonfinite(p.nonfinite, acc[mt]);
   if (p.splits > 1) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -380,7 +464,11 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
       float l = l_run[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv_l = l == 0.f ? 0.f : 1.f / l;
+      float inv_l = l == 0.f ? 0.f : 1.f / l;
+      if constexpr (Mods) {
+        const float alpha = add_sink(m_run[mt][r], l, mods.sink2);
+        inv_l = l == 0.f ? 0.f : alpha / l;
+      }
       const int row = mt_row(mt) + g + 8 * r;
       if (p.lse != nullptr && t == 0 && row < p.seq_q)
         p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = l == 0.f ? neg_inf : (m_run[mt][r] + log2f(l)) * ln2;
@@ -393,7 +481,7 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   __syncthreads();
   for (int c = threadIdx.x; c < BM * CH; c += Tile::threads) {
     const int r = c / CH, ch = c % CH;
-    if (q0 + r < p.seq_q)
+    if (q0 + r < p.seq_q && ch < cols_ch)
       *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
           *reinterpret_cast<const uint4*>(sq + swizzle<CH>(r, ch));
   }
@@ -401,21 +489,24 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
 
 /// The mma.sync flash kernel: one q-block a block; the heaviest q-blocks (under a causal mask: the last) start first,
 /// so the tail of the grid is short.
-template <class E, class Tile, class Mask>
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) flash_forward_kernel(const flash_params_t<Mask> p) {
-  flash_forward_block<E, Tile, Mask, false>(p, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x),
-                                            blockIdx.y, blockIdx.z);
+  flash_forward_block<E, Tile, Mask, false, Mods>(p, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x),
+                                                  blockIdx.y, blockIdx.z);
 }
 
 /// The repair pass after either flash kernel on a call with a mask (run_flash): their tensor-core P·V cannot keep a
 /// masked key's P = 0 from an inf or NaN in that key's V row (0·inf = NaN inside the mma), so a row it contaminated
-/// comes out NaN. This kernel reads O back, q-block by q-block (x, x + gridDim.x, ...; the mma.sync tile's
-/// q-blocks), and recomputes with flash_forward_block<..., Guarded = true> every q-block holding a non-finite value
-/// (the contaminated ones, and those whose rows depend on a non-finite input, which come out the same). On finite
-/// outputs it only reads O; the kernels' own code stays as fast as without the guard.
-template <class E, class Tile, class Mask>
+/// comes out NaN. The flash kernel's blocks raise p.nonfinite where their O holds an inf or NaN (flag_nonfinite);
+/// while it is 0 (every finite call) each block of this kernel reads it and returns. Raised, the kernel reads O back,
+/// q-block by q-block (x, x + gridDim.x, ...; the mma.sync tile's q-blocks), and recomputes with
+/// flash_forward_block<..., Guarded = true> every q-block holding a non-finite value (the contaminated ones, and
+/// those whose rows depend on a non-finite input, which come out the same).
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) flash_repair_kernel(const flash_params_t<Mask> p) {
+  if (*p.nonfinite == 0) return;
   constexpr int CH = Tile::chunks;
+  const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : CH;  // chunks of O that hold the problem's columns
   const int q_blocks = (p.seq_q + Tile::block_m - 1) / Tile::block_m, items = q_blocks * p.heads * p.batch;
   for (int x = blockIdx.x; x < items; x += gridDim.x) {
     const int m_block = x % q_blocks, h = (x / q_blocks) % p.heads, b = x / (q_blocks * p.heads);
@@ -424,10 +515,10 @@ __global__ void __launch_bounds__(Tile::threads) flash_repair_kernel(const flash
     // Independent 16-byte loads (no early exit), four in flight a thread: the pass is a read of O at memory speed.
     unsigned bad = 0;
 #pragma unroll 4
-    for (int c = threadIdx.x; c < rows * CH; c += Tile::threads)
-      bad |= unsigned(has_nonfinite<E, 8>(o_head + (q0 + c / CH) * p.o_stride.s + (c % CH) * 8, 0, 1));
+    for (int c = threadIdx.x; c < rows * cols_ch; c += Tile::threads)
+      bad |= unsigned(has_nonfinite<E, 8>(o_head + (q0 + c / cols_ch) * p.o_stride.s + (c % cols_ch) * 8, 0, 1));
     if (__syncthreads_or(bad != 0)) {
-      flash_forward_block<E, Tile, Mask, true>(p, m_block, h, b);
+      flash_forward_block<E, Tile, Mask, true, Mods>(p, m_block, h, b);
       __syncthreads();  // the next q-block's loads overwrite the tiles this one read last
     }
   }
@@ -437,12 +528,15 @@ __global__ void __launch_bounds__(Tile::threads) flash_repair_kernel(const flash
 /// parts' row length; columns from p.head_dim on, if set, are not stored):
 ///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
 /// over the parts that saw a key (lse_s > −inf; the others are skipped, not weighted by 0). A row no part saw gets
-/// O = 0, lse = −inf; a part whose lse is NaN (a NaN logit) makes the row's O and lse NaN.
+/// O = 0, lse = −inf; a part whose lse is NaN (a NaN logit) makes the row's O and lse NaN. With sinks the sink joins
+/// here, once, as one more part with no value row (lse_sink = sink_h, O_sink = 0): a row no part saw then gets
+/// O = 0, lse = sink_h.
 template <class E, class Mask>
 __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
   const index_t r = blockIdx.x, rows = index_t(p.batch) * p.heads * p.seq_q;
   const int i = int(r % p.seq_q), h = int((r / p.seq_q) % p.heads), b = int(r / (index_t(p.seq_q) * p.heads));
-  float m = -INFINITY;
+  const float sink = mods_of(p.mask).template sink<float>(h);  // −inf when sinks are off
+  float m = sink;
   bool nan = false;
   for (int s = 0; s < p.splits; ++s) {
     const float lse_s = p.lse_part[s * rows + r];
@@ -450,7 +544,7 @@ __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
     nan = nan || isnan(lse_s);
   }
   float w_sum = 0.f, o = 0.f;
-  if (m != -INFINITY)
+  if (m != -INFINITY) {
     for (int s = 0; s < p.splits; ++s) {
       const float lse_s = p.lse_part[s * rows + r];
       if (lse_s == -INFINITY) continue;
@@ -458,6 +552,8 @@ __global__ void flash_merge_kernel(const flash_params_t<Mask> p, int head_dim) {
       w_sum += w;
       if (threadIdx.x < unsigned(head_dim)) o += w * p.o_part[(s * rows + r) * head_dim + threadIdx.x];
     }
+    if (sink != -INFINITY) w_sum += __expf(sink - m);
+  }
   const float nan_value = __int_as_float(0x7fffffff);
   E* o_row = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
   const int cols = p.head_dim > 0 ? p.head_dim : head_dim;
@@ -532,25 +628,30 @@ struct flash_default_tile<256> {
   using type = flash_tile<256, 4, 64, 16, 1>;
 };
 
-/// The head dimensions flash has a tile for: the one list flash_applies, flash_fits_mask and run_flash read.
+/// The tile widths flash has, ascending: the one list flash_applies, flash_fits_mask and run_flash read. A head_dim
+/// that is a multiple of 8 runs the narrowest tile at least as wide (40 and 64 the 64 tile, 80 the 96 tile, 136 the
+/// 256 tile), its columns past head_dim loaded as zeros (load_tile) and not stored.
 template <int... HeadDims>
 struct head_dim_list {};
 using flash_head_dims = head_dim_list<32, 64, 96, 128, 256>;
-inline constexpr const char* flash_head_dims_text = "32, 64, 96, 128 and 256";
+inline constexpr int flash_max_head_dim = 256;
+inline constexpr const char* flash_head_dims_text = "every multiple of 8 up to 256";
 
-/// with_default_tile's walk over the list, one head dimension at a time.
+/// with_default_tile's walk over the list, one tile width at a time.
 template <class R, class F>
 R with_tile_of(index_t, R otherwise, F&, head_dim_list<>) {
   return otherwise;
 }
 template <class R, class F, int HeadDim, int... Rest>
 R with_tile_of(index_t head_dim, R otherwise, F& f, head_dim_list<HeadDim, Rest...>) {
-  if (head_dim == HeadDim) return f(typename flash_default_tile<HeadDim>::type{});
+  if (head_dim <= HeadDim) return f(typename flash_default_tile<HeadDim>::type{});
   return with_tile_of(head_dim, std::move(otherwise), f, head_dim_list<Rest...>{});
 }
-/// `f(Tile{})` with Tile = flash_default_tile<head_dim>::type, or `otherwise` when flash has no tile for head_dim.
+/// `f(Tile{})` with Tile = the mma.sync tile that runs head_dim (flash_default_tile of the narrowest width in
+/// flash_head_dims at least head_dim), or `otherwise` when head_dim is not a multiple of 8 in [8, 256].
 template <class R, class F>
 R with_default_tile(index_t head_dim, R otherwise, F&& f) {
+  if (head_dim < 8 || head_dim % 8 != 0 || head_dim > flash_max_head_dim) return otherwise;
   return with_tile_of(head_dim, std::move(otherwise), f, flash_head_dims{});
 }
 
@@ -634,18 +735,20 @@ status launch_flash_kernel(void (*kernel)(flash_params_t<Mask>), int smem, flash
 }
 
 /// Launches one mma.sync flash instantiation (see launch_flash_kernel).
-template <class E, class Tile, class Mask>
+/// `Mods`: the instantiation for calls with score modifiers.
+template <class E, class Tile, class Mask, bool Mods = false>
 status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
-  return launch_flash_kernel<E, Tile>(flash_forward_kernel<E, Tile, Mask>, Tile::smem_elems * int(sizeof(E)), p, stream);
+  return launch_flash_kernel<E, Tile>(flash_forward_kernel<E, Tile, Mask, Mods>, Tile::smem_elems * int(sizeof(E)), p,
+                                      stream);
 }
 
-/// Launches flash_repair_kernel for `p` (the Hopper call's parameters; the mma.sync tile `Tile` of its head_dim):
-/// one block per multiprocessor (at most one per q-block), no key splits.
-template <class E, class Tile, class Mask>
+/// Launches flash_repair_kernel for `p` (the flash call's parameters, p.nonfinite its flag; the mma.sync tile `Tile`
+/// of its head_dim): one block per multiprocessor (at most one per q-block), no key splits.
+template <class E, class Tile, class Mask, bool Mods = false>
 status launch_flash_repair(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr int smem = Tile::smem_elems * int(sizeof(E));
-  if (status st = from_cuda(cudaFuncSetAttribute(flash_repair_kernel<E, Tile, Mask>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+  const auto kernel = flash_repair_kernel<E, Tile, Mask, Mods>;
+  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                             "cudaFuncSetAttribute(flash_repair_kernel)");
       !st)
     return st;
@@ -654,8 +757,7 @@ status launch_flash_repair(flash_params_t<Mask> p, cudaStream_t stream) {
   p.splits = 1;
   p.o_part = p.lse_part = nullptr;
   const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
-  flash_repair_kernel<E, Tile, Mask>
-      <<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
+  kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
   return last_launch("flash_repair_kernel");
 }
 

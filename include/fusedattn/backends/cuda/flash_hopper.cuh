@@ -10,6 +10,7 @@
 /// Per key tile j of block_n keys, each warpgroup runs
 ///   S_j = Q·K_jᵀ              (wgmma, Q and K_j from shared memory)          — issued, asynchronous
 ///   O  += P_{j-1}·V_{j-1}      (wgmma, P from registers, V_{j-1} from shared) — issued, asynchronous
+///   modify S_j (score modifiers: tile_mods, in the instantiation for calls with modifiers only);
 ///   mask S_j; m_j = max(m_{j-1}, rowmax(scale·S_j)); P_j = exp(scale·S_j − m_j); l = l·α + rowsum(P_j)
 ///                              (while P_{j-1}·V_{j-1} still runs on the tensor cores)
 ///   O *= α = exp(m_{j-1} − m_j) once P_{j-1}·V_{j-1} is done
@@ -162,15 +163,18 @@ struct softmax_rows {
   float scale_log2;   ///< softmax scale · log2(e)
 };
 
-/// Mask, online softmax and packing of one score tile S (keys [k0, k0 + BN)): the per-element mask only on tiles
-/// that need it (`rule`; a block-sparse tile past its run [tile_begin, tile_end) also masks by that range);
-/// m_run, l_run advance; P goes to `pk` (16-bit pairs: the A fragment of P·V), or with `Pack` false stays in `s` in
-/// f32 (pack_p packs it later); alpha[r] is the factor O must be rescaled by before this tile's P·V is added.
-template <class E, int BN, bool Band, bool Pack = true>
+/// Modifiers, mask, online softmax and packing of one score tile S (keys [k0, k0 + BN)): with `Mods` the score
+/// modifiers first (tile_mods); the per-element mask only on tiles that need it (`rule`; a block-sparse tile past
+/// its run [tile_begin, tile_end) also masks by that range); m_run, l_run advance; P goes to `pk` (16-bit pairs: the
+/// A fragment of P·V), or with `Pack` false stays in `s` in f32 (pack_p packs it later); alpha[r] is the factor O
+/// must be rescaled by before this tile's P·V is added.
+template <class E, int BN, bool Band, bool Mods, bool Pack = true>
 __device__ __forceinline__ void tile_softmax(float (&s)[BN / 8][4], std::uint32_t (&pk)[BN / 8][2], float (&alpha)[2],
                                              float (&m_run)[2], float (&l_run)[2], const band32& rule,
-                                             const softmax_rows& w, int k0, int tile_begin, int tile_end) {
+                                             const softmax_rows& w, int k0, int tile_begin, int tile_end,
+                                             const tile_mods& mods) {
   constexpr float neg_inf = -INFINITY;
+  if constexpr (Mods) mods.apply_tile<BN>(s, w.row0 + w.g, k0, w.t);
   const bool past_edge = !Band && (k0 < tile_begin || k0 + BN > tile_end);
   if (past_edge || rule.is_partial(w.row0, w.row_end, k0, k0 + BN)) {
     // Row g + 8r of this thread may see the tile's columns [c_lo, c_hi) (band32::columns); its scores sit at
@@ -244,22 +248,31 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&al
 /// no later step clears it) O = lse = NaN. A split writes its f32 part and lse straight to o_part / lse_part; else
 /// lse goes to p.lse and O, packed, into the staging tile `stage` (the q-block's Q tile, panel layout, `BM` rows),
 /// which the caller copies out once every warp has staged its rows (store_rows, or a TMA store). 1/l is the
-/// approximate reciprocal (__fdividef, 2 ulp): O is rounded to 16 bits after it.
-template <class E, class Tile, class Mask>
+/// approximate reciprocal (__fdividef, 2 ulp): O is rounded to 16 bits after it. With `Mods` the sink joins l first
+/// (add_sink; a split's parts leave it to flash_merge_kernel). A block whose O holds an inf or NaN raises the repair
+/// pass's flag (flag_nonfinite).
+template <class E, class Tile, class Mask, bool Mods>
 __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float (&acc)[Tile::head_dim / 8][4],
                                             const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
-                                            int b, int h, int split, int q0, E* stage) {
+                                            int b, int h, int split, int q0, E* stage, const tile_mods& mods) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m;
   constexpr float ln2 = 0.69314718055994531f;
+  flag_nonfinite(p.nonfinite, acc);
   float inv_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
+    float l = l_run[r], m = m_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     inv_l[r] = l == 0.f ? 0.f : __fdividef(1.f, l);
+    if constexpr (Mods) {
+      if (p.splits == 1) {
+        const float alpha = add_sink(m, l, mods.sink2);
+        inv_l[r] = l == 0.f ? 0.f : __fdividef(alpha, l);
+      }
+    }
     const int row = w.row0 + w.g + 8 * r;
-    const float lse = l == 0.f ? -INFINITY : (m_run[r] + log2f(l)) * ln2;
+    const float lse = l == 0.f ? -INFINITY : (m + log2f(l)) * ln2;
     if (p.splits > 1) {
       if (row >= p.seq_q) continue;
       const index_t part_row = ((static_cast<index_t>(split) * p.batch + b) * p.heads + h) * p.seq_q + row;
@@ -310,7 +323,7 @@ __device__ __forceinline__ void store_rows(const flash_params_t<Mask>& p, const 
 /// computes. Q comes by cp.async (every thread, once per block); K and V tiles by TMA (thread 0 issues a tensor copy
 /// per 64-column panel, completing on the buffer's mbarrier, which every thread waits on); one block barrier per
 /// key tile guards the buffers.
-template <class E, class Tile, class Mask>
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     flash_hopper_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
@@ -346,6 +359,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);
   const int k_first = tiles.first(split, p.splits);
+  [[maybe_unused]] const tile_mods mods = make_tile_mods<Mods>(mask, h, p.scale_log2);
   // TMA: one thread announces the tile's bytes on the buffer's mbarrier and copies it panel by panel (keys past
   // seq_kv arrive as zeros); each wait flips the buffer's expected parity, every copy being waited for once.
   auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int k0, std::uint64_t* bar) {
@@ -399,7 +413,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
       issue_scores<E, Tile>(s, q_desc, k_desc);
       wgmma_wait<0>();
       fence_operands(s);
-      tile_softmax<E, BN, band>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+      tile_softmax<E, BN, band, Mods>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
     }
     for (k0 = k_next; k0 >= 0; k0 = k_next) {
       // Every warpgroup is done with S_{j-1} (K buffer k_stage ^ 1) and P_{j-2}·V_{j-2} (V buffer v_stage ^ 1),
@@ -421,7 +435,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
       load_v(k0, v_stage ^ 1);
       wgmma_wait<1>();  // S_j is ready; P_{j-1}·V_{j-1} may still run
       fence_operands(s);
-      tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+      tile_softmax<E, BN, band, Mods>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
       wgmma_wait<0>();
       fence_operands(acc);
       fence_fragments(pk);
@@ -442,7 +456,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   // O is staged through the Q tile and written as 16-byte chunks; a split writes its f32 part straight.
   cp_async_wait<0>();  // a block with no key tile never waited for its Q copy, which must land before O is staged
   __syncthreads();     // every warpgroup's reads of Q are done
-  finish_rows<E, Tile>(p, acc, m_run, l_run, w, b, h, split, q0, sq);
+  finish_rows<E, Tile, Mask, Mods>(p, acc, m_run, l_run, w, b, h, split, q0, sq, mods);
   if (p.splits > 1) return;
   __syncthreads();
   store_rows<E, Tile>(p, sq, b, h, q0, 0, BM, threadIdx.x, Tile::threads);
@@ -489,7 +503,7 @@ static_assert(hopper_consumer_registers<2> == 240 && hopper_consumer_registers<3
 /// (tensor map p.o_map; rows past seq_q are clipped by the copy). The buffer is freed once the copy has read them;
 /// with two Q buffers that thread waits for the read only after the next item's first scores are issued
 /// (release_stored). The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
-template <class E, class Tile, class Mask>
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads + 128, 1)
     flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
@@ -655,6 +669,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     const int row0 = q0 + 16 * warp;
     const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
     const band32 rule = element_rule(head_mask(p.mask, it.b, it.h));
+    [[maybe_unused]] const tile_mods mods = make_tile_mods<Mods>(p.mask, it.h, p.scale_log2);
     if (ws.has_tiles[qb]) {
       std::uint32_t pk[BN / 8][2];  // P of tile kt − 1, whose P·V is next
       mbarrier_wait(&ws.k_full[kt % 2], (kt / 2) & 1);
@@ -671,7 +686,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         fence_operands(s);
         pass_turn();
         release(&ws.k_empty[kt % 2]);
-        tile_softmax<E, BN, band>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+        tile_softmax<E, BN, band, Mods>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
       }
       for (++kt; !last; ++kt) {  // S_j with P_{j-1}·V_{j-1}, as in flash_hopper_kernel
         const int stage = kt % 2;
@@ -695,7 +710,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           // Into pk_next, then copied: packing straight into pk (free here) changes ptxas's schedule of this
           // kernel for the worse.
           std::uint32_t pk_next[BN / 8][2];
-          tile_softmax<E, BN, band>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+          tile_softmax<E, BN, band, Mods>(s, pk_next, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
 #pragma unroll
           for (int nn = 0; nn < BN / 8; ++nn) pk[nn][0] = pk_next[nn][0], pk[nn][1] = pk_next[nn][1];
         } else {  // S_j's exponentials under P_{j-1}·V_{j-1}; P_j, in f32 meanwhile, is packed into pk once that
@@ -703,7 +718,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           wgmma_wait<1>();
           fence_operands(s);
           release(&ws.k_empty[stage]);
-          tile_softmax<E, BN, band, false>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end);
+          tile_softmax<E, BN, band, Mods, false>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
           wgmma_wait<0>();
           fence_operands(acc);
           fence_fragments(pk);
@@ -729,7 +744,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     // store has read it).
     release_stored();  // an item without key tiles issued no scores
     E* stage = sq + qb * BM * D;
-    finish_rows<E, Tile>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage);
+    finish_rows<E, Tile, Mask, Mods>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage, mods);
     fence_proxy_async();  // the staged rows (generic proxy) precede the TMA store's reads, the Q reads its next write
     if (p.splits == 1) {
       named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
@@ -893,8 +908,9 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
 /// p.head_dim below the tile's (head_dim 96 on the 128 tile: run_flash) needs the warp-specialised kernel, whose
 /// copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to Q·Kᵀ and give
-/// P·V columns that the O store (its map stops at p.head_dim) and the merge leave out.
-template <class E, class Tile, class Mask>
+/// P·V columns that the O store (its map stops at p.head_dim) and the merge leave out. `Mods`: the instantiation for
+/// calls with score modifiers.
+template <class E, class Tile, class Mask, bool Mods = false>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
   const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
@@ -912,15 +928,15 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
     if (tma && make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, p.batch, p.q_stride,
                              Tile::block_m) &&
         make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, p.batch, p.o_stride, 64))
-      return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask>, Tile::ws_smem_bytes, p, stream,
+      return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask, Mods>, Tile::ws_smem_bytes, p, stream,
                                           Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
   } else {
     // Q by cp.async reads whole rows of the tile's head_dim: no narrower head_dim here.
     if (tma && cols == Tile::head_dim)
-      return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask>, Tile::smem_bytes, p, stream);
+      return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask, Mods>, Tile::smem_bytes, p, stream);
   }
   return with_default_tile(cols, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
-                           [&](auto tile) { return launch_flash<E, decltype(tile)>(p, stream); });
+                           [&](auto tile) { return launch_flash<E, decltype(tile), Mask, Mods>(p, stream); });
 }
 
 }  // namespace cuda_backend

@@ -1,7 +1,8 @@
 /// @file naive.cuh
 /// The naive three-pass pipeline on the GPU, the leaderboard's way: pack Q, K, V to contiguous B·H·S·D, then
 ///   S = Q·Kᵀ   (cuBLAS strided-batched GEMM, one batch per (b, h_kv): the group's query heads are adjacent rows),
-///   P = softmax(scale·S + mask) row by row (one kernel; also writes lse),
+///   P = softmax(mods(scale·S) + mask) row by row (one kernel, with the score modifiers and the sink of
+///       core/score_mod.hpp; also writes lse),
 ///   O = P·V    (cuBLAS strided-batched GEMM), unpacked to O's strides and type.
 /// S is materialised (b·h·s_q·s_kv scores). f16/bf16 multiply on tensor cores with f32 scores and P rounded to the
 /// input type; f32 and f64 run in full precision (no TF32). Not the fused kernel: that is flash.cuh.
@@ -94,32 +95,39 @@ __device__ __forceinline__ A max_nan(A a, A b) {
   return a != a ? a : b != b ? b : fmax(a, b);
 }
 
-/// Row r = (b·heads + h)·s_q + i of S (s_kv scores): p_j = exp(scale·s_j − m) / Σ over allowed j, 0 where the mask
-/// forbids; lse = m + log Σ (−inf and P = 0 for a row that sees no key; NaN P and lse for a row with a NaN logit).
+/// Row r = (b·heads + h)·s_q + i of S (s_kv scores): with t_j = mods.apply(scale·s_j, h, i, j) (= scale·s_j without
+/// score modifiers) and the sink logit σ_h (−inf without sinks), p_j = exp(t_j − m) / (exp(σ_h − m) + Σ over allowed
+/// j), 0 where the mask forbids, m = max(σ_h, max over allowed j of t_j); lse = m + log(exp(σ_h − m) + Σ) (−inf and
+/// P = 0 for a row that sees no key and no sink; NaN P and lse for a row with a NaN logit).
 template <class A, class P, class Mask>
 __global__ void __launch_bounds__(softmax_threads) softmax_kernel(const A* s, P* p, float* lse, const Mask all_heads,
                                                                   index_t heads, A scale) {
   __shared__ A scratch[softmax_threads / 32];
   const index_t r = blockIdx.x, i = r % all_heads.seq_q, n = all_heads.seq_kv, bh = r / all_heads.seq_q;
-  const Mask mask = head_mask(all_heads, bh / heads, bh % heads);
-  const A* s_row = s + r * n;
+  const index_t h = bh % heads;
+  const Mask mask = head_mask(all_heads, bh / heads, h);
+  const bound_mods& mods = mods_of(mask);
+  const bool modified = mods.changes_scores();
+  const auto logit = [&](index_t j) { return modified ? mods.apply(scale * s[r * n + j], h, i, j) : scale * s[r * n + j]; };
   P* p_row = p + r * n;
   const A neg_inf = -INFINITY;
-  // m = max over allowed j of scale·s_j
+  const A sink = mods.sink<A>(h);
+  // m = max over allowed j of t_j, and the sink
   A m = neg_inf;
   for (index_t j = threadIdx.x; j < n; j += softmax_threads)
-    if (mask.allowed(i, j)) m = max_nan(m, scale * s_row[j]);
-  m = block_reduce(m, [](A a, A b) { return max_nan(a, b); }, scratch);
-  // l = Σ exp(scale·s_j − m)
+    if (mask.allowed(i, j)) m = max_nan(m, logit(j));
+  m = max_nan(block_reduce(m, [](A a, A b) { return max_nan(a, b); }, scratch), sink);
+  // l = exp(σ − m) + Σ exp(t_j − m)
   A l = 0;
   if (m != neg_inf)
     for (index_t j = threadIdx.x; j < n; j += softmax_threads)
-      if (mask.allowed(i, j)) l += exp(scale * s_row[j] - m);
+      if (mask.allowed(i, j)) l += exp(logit(j) - m);
   l = block_reduce(l, [](A a, A b) { return a + b; }, scratch);
+  if (sink != neg_inf) l += exp(sink - m);
   // l = 0: the row sees no key (or only −inf logits); l = NaN: a NaN logit, which P and lse carry on.
   const A inv_l = l != 0 ? A(1) / l : A(0);
   for (index_t j = threadIdx.x; j < n; j += softmax_threads)
-    p_row[j] = narrow<P>(mask.allowed(i, j) && l != 0 ? exp(scale * s_row[j] - m) * inv_l : A(0));
+    p_row[j] = narrow<P>(mask.allowed(i, j) && l != 0 ? exp(logit(j) - m) * inv_l : A(0));
   if (lse != nullptr && threadIdx.x == 0) lse[r] = l != 0 ? static_cast<float>(m + log(l)) : -INFINITY;
 }
 

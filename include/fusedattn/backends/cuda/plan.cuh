@@ -27,8 +27,7 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
   kernel_plan plan;
   bool flash = false;
   std::string why;
-  if (status st = check_device_pointers(q, k, v, o, lse); !st) return refused_plan(st);
-  if (status st = detail::mods_unsupported(mods_of(mask), "the CUDA backend"); !st) return refused_plan(st);
+  if (status st = check_device_pointers(q, k, v, o, lse, mods_of(mask)); !st) return refused_plan(st);
   if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return refused_plan(st);
   if (p.batch == 0 || p.heads == 0 || p.seq_q == 0) {
     plan.kernel = "cuda.none";
@@ -61,7 +60,8 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
         const int splits = flash_split_count<Mask>(p.batch, p.heads, p.seq_q, p.seq_kv, Tile::block_m, Tile::block_n,
                                                    multiprocessors);
         plan.kernel = splits > 1 ? "cuda.flash_split_kv" : decltype(hopper)::value ? "cuda.flash_hopper" : "cuda.flash_mma_sync";
-        plan.scratch_bytes = layout_bytes + flash_split_scratch_bytes(splits, rows, Tile::head_dim);
+        plan.scratch_bytes = layout_bytes + flash_split_scratch_bytes(splits, rows, Tile::head_dim) +
+                             (has_masked_keys(mask) ? sizeof(int) : 0);  // the repair pass's flag
         return status{};
       });
   if (!described) return refused_plan(described);
@@ -79,8 +79,8 @@ namespace detail {
 /// runs) or "cuda.no_keys" (seq_kv = 0: O = 0, lse = −inf) — its device scratch bytes (split-KV parts; the naive
 /// pipeline's packed copies, S and P; a host block-sparse layout's device copy), and `why` for the naive pipeline.
 /// `mask` is the bound mask attend's dispatch passes on: band_mask, block_sparse_mask (host arrays) or
-/// cuda::device_block_sparse_mask. "cuda.flash_hopper" with a mask includes its repair pass (flash_repair_kernel:
-/// reads O back; no scratch). Not modelled: the Hopper kernel's fallback to mma.sync when the driver refuses a
+/// cuda::device_block_sparse_mask. Either flash kernel with a mask includes its repair pass (flash_repair_kernel:
+/// returns at once unless the flash kernel raised its flag, 4 bytes of scratch). Not modelled: the Hopper kernel's fallback to mma.sync when the driver refuses a
 /// tensor map (flash_applies' strides make that a driver fault). The first call on a device asks it once whether
 /// the Hopper kernel's code is present (hopper_flash_ready's one-thread probe), as attend does.
 template <class T, class Bound>
