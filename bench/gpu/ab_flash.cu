@@ -3,10 +3,15 @@
 // run on one card. Median of 22 loops of 5 calls between CUDA events, two input sets alternated.
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -DFUSEDATTN_WITH_CUDA=1 -I<tree>/include
 //        -isystem <eigen3> -Xcompiler -fopenmp -lgomp -lcublas bench/gpu/ab_flash.cu -o ab_flash   (one line)
-//   ab_flash TAG [mma]      (mma: policy::cuda_kernel::flash_mma_sync instead of flash)
+//   ab_flash TAG [mma] [softcap|alibi|sinks|all] [dims]
+//     mma: policy::cuda_kernel::flash_mma_sync instead of flash; softcap (cap 30), alibi (slopes 2^-(8(h+1)/H),
+//     the mask's alignment), sinks (logit 1), all: those score modifiers on every call; dims: the head_dims that
+//     run on padded tiles (40, 80, 136, 160, 192) instead of the list below. A call the tree refuses prints
+//     "refused" and the run goes on.
 #include <fusedattn/fusedattn.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -22,10 +27,24 @@ struct shape {
 
 int main(int argc, char** argv) {
   const char* tag = argc > 1 ? argv[1] : "?";
-  const bool mma = argc > 2 && std::string(argv[2]) == "mma";
-  const shape shapes[] = {{4, 32, 32, 4096, 4096, 64, 0},  {4, 32, 32, 4096, 4096, 64, 1}, {2, 16, 16, 8192, 8192, 128, 0},
-                          {2, 16, 16, 8192, 8192, 128, 1}, {4, 16, 16, 4096, 4096, 256, 1}, {4, 16, 16, 4096, 4096, 96, 1},
-                          {1, 32, 32, 2048, 2048, 128, 1}, {8, 32, 8, 1, 8192, 128, 2},    {1, 32, 32, 1024, 1024, 64, 1}};
+  bool mma = false, dims = false, use_cap = false, use_alibi = false, use_sinks = false;
+  for (int a = 2; a < argc; ++a) {
+    const std::string arg = argv[a];
+    mma = mma || arg == "mma";
+    dims = dims || arg == "dims";
+    use_cap = use_cap || arg == "softcap" || arg == "all";
+    use_alibi = use_alibi || arg == "alibi" || arg == "all";
+    use_sinks = use_sinks || arg == "sinks" || arg == "all";
+  }
+  const std::vector<shape> shapes =
+      dims ? std::vector<shape>{{4, 16, 16, 4096, 4096, 40, 0},  {4, 16, 16, 4096, 4096, 80, 0},
+                                {4, 16, 16, 4096, 4096, 80, 1},  {4, 16, 16, 4096, 4096, 136, 1},
+                                {4, 16, 16, 4096, 4096, 160, 1}, {4, 16, 16, 4096, 4096, 192, 1}}
+           : std::vector<shape>{{4, 32, 32, 4096, 4096, 64, 0},  {4, 32, 32, 4096, 4096, 64, 1},
+                                {2, 16, 16, 8192, 8192, 128, 0}, {2, 16, 16, 8192, 8192, 128, 1},
+                                {4, 16, 16, 4096, 4096, 256, 1}, {4, 16, 16, 4096, 4096, 96, 1},
+                                {1, 32, 32, 2048, 2048, 128, 1}, {8, 32, 8, 1, 8192, 128, 2},
+                                {1, 32, 32, 1024, 1024, 64, 1}};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (const shape& s : shapes) {
@@ -44,19 +63,37 @@ int main(int argc, char** argv) {
       cudaMemcpy(v[i], hk.data(), nkv * 2, cudaMemcpyHostToDevice);
     }
     cudaMalloc(&o, nq * 2);
+    // The modifiers' per-head slopes and sink logits, in device memory.
+    std::vector<float> h_slopes(size_t(s.h)), h_sinks(size_t(s.h), 1.f);
+    for (int h = 0; h < s.h; ++h) h_slopes[size_t(h)] = std::exp2(-8.f * float(h + 1) / float(s.h));
+    float *slopes = nullptr, *sink_logits = nullptr;
+    cudaMalloc(&slopes, sizeof(float) * size_t(s.h));
+    cudaMalloc(&sink_logits, sizeof(float) * size_t(s.h));
+    cudaMemcpy(slopes, h_slopes.data(), sizeof(float) * size_t(s.h), cudaMemcpyHostToDevice);
+    cudaMemcpy(sink_logits, h_sinks.data(), sizeof(float) * size_t(s.h), cudaMemcpyHostToDevice);
+    const fa::align alignment = s.mask == 2 ? fa::align::bottom_right : fa::align::top_left;
+    fa::modified<fa::any_mask> mask{s.mask == 0 ? fa::any_mask{fa::dense{}} : fa::any_mask{fa::causal{alignment}}, {}};
+    if (use_cap) mask = mask | fa::softcap{30.f};
+    if (use_alibi) mask = mask | fa::alibi{slopes, alignment};
+    if (use_sinks) mask = mask | fa::sinks{sink_logits};
     auto call = [&](int i) {
       const auto qv = fa::bhsd<const f16>(q[i], p.q_dims());
       const auto kv = fa::bhsd<const f16>(k[i], p.kv_dims());
       const auto vv = fa::bhsd<const f16>(v[i], p.kv_dims());
       const auto ov = fa::bhsd<f16>(o, p.o_dims());
       const fa::policy::cuda pol{nullptr, mma ? fa::policy::cuda_kernel::flash_mma_sync : fa::policy::cuda_kernel::flash};
-      return s.mask == 0   ? fa::attend(pol, p, qv, kv, vv, ov, fa::dense{})
-             : s.mask == 1 ? fa::attend(pol, p, qv, kv, vv, ov, fa::causal{})
-                           : fa::attend(pol, p, qv, kv, vv, ov, fa::causal{fa::align::bottom_right});
+      return fa::attend(pol, p, qv, kv, vv, ov, mask);
     };
-    if (!call(0)) {
-      std::printf("%s attend failed\n", tag);
-      return 1;
+    const auto release = [&] {
+      for (int i = 0; i < 2; ++i) cudaFree(q[i]), cudaFree(k[i]), cudaFree(v[i]);
+      cudaFree(o);
+      cudaFree(slopes);
+      cudaFree(sink_logits);
+    };
+    if (const fa::status st = call(0); !st) {
+      std::printf("%s (%d,%d/%d,%d,%d,%d): refused: %s\n", tag, s.b, s.h, s.hkv, s.sq, s.skv, s.d, st.what());
+      release();
+      continue;
     }
     cudaEvent_t a, b;
     cudaEventCreate(&a);
@@ -79,8 +116,7 @@ int main(int argc, char** argv) {
     const double bytes = 2.0 * nkv * 2;
     std::printf("%s (%d,%d/%d,%d,%d,%d) %s: %.4f ms  %.1f TFLOP/s  %.0f GB/s K+V\n", tag, s.b, s.h, s.hkv, s.sq, s.skv,
                 s.d, s.mask == 0 ? "dense " : s.mask == 1 ? "causal" : "br", med, flops / med / 1e9, bytes / med / 1e6);
-    for (int i = 0; i < 2; ++i) cudaFree(q[i]), cudaFree(k[i]), cudaFree(v[i]);
-    cudaFree(o);
+    release();
     if (cudaGetLastError() != cudaSuccess) return 1;
   }
   return 0;
