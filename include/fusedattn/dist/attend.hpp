@@ -84,6 +84,31 @@ class host_exec {
     return {};
   }
 
+  /// dst += src element by element, summed in dst's type; both views have the same extents.
+  template <class S, class D>
+  status add(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
+    const dims4 d = src.dims;
+    const index_t rows = d.b * d.h;
+    (void)rows;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+#endif
+    for (index_t bh = 0; bh < rows; ++bh)
+      for (index_t i = 0; i < d.s; ++i) {
+        const auto* a = src.row(bh / d.h, bh % d.h, i);
+        D* b = dst.row(bh / d.h, bh % d.h, i);
+        for (index_t c = 0; c < d.d; ++c) b[c] += static_cast<D>(static_cast<accum_t<D>>(a[c]));
+      }
+    return {};
+  }
+
+  /// `n` elements of U (float or double) set to zero.
+  template <class U>
+  status zero(U* p, index_t n) {
+    std::memset(p, 0, static_cast<std::size_t>(n) * sizeof(U));
+    return {};
+  }
+
   status fill(float* p, index_t n, float value) {
     for (index_t i = 0; i < n; ++i) p[i] = value;
     return {};
@@ -151,9 +176,10 @@ inline std::uint64_t fingerprint(const problem& g, bool causal, const options& o
 }
 
 /// Every rank learns whether every rank is fine, and whether all passed the same fingerprint. Returns `local` where
-/// it failed; elsewhere, when another rank failed, the lowest such rank's error code with a sentence naming it.
+/// it failed; elsewhere, when another rank failed, the lowest such rank's error code with a sentence naming it
+/// (and `who`, the calling entry point).
 template <class Comm>
-status agree(Comm& comm, const status& local, std::uint64_t fp) {
+status agree(Comm& comm, const status& local, std::uint64_t fp, const char* who = "dist::attend") {
   const std::int64_t n = comm.size();
   constexpr std::int64_t codes = 8;
   std::int64_t v[3] = {local.ok() ? n * codes : std::int64_t(comm.rank()) * codes + std::int64_t(local.code()),
@@ -162,13 +188,13 @@ status agree(Comm& comm, const status& local, std::uint64_t fp) {
   if (!local) return local;
   if (v[0] < n * codes) {
     const auto code = static_cast<errc>(v[0] % codes);
-    return {code, "dist::attend: rank " + std::to_string(v[0] / codes) + " failed (" + to_string(code) +
+    return {code, std::string(who) + ": rank " + std::to_string(v[0] / codes) + " failed (" + to_string(code) +
                       "; its own status says why); this rank's part was fine and nothing was written"};
   }
   if (v[1] != -v[2])
-    return status::invalid(
-        "dist::attend: the ranks passed different problems, masks, options or scalar types; every rank must pass "
-        "the same global problem");
+    return status::invalid(std::string(who) +
+                           ": the ranks passed different problems, masks, options or scalar types; every rank must "
+                           "pass the same global problem");
   return {};
 }
 
@@ -360,6 +386,31 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   return {};
 }
 
+/// The checks of a sharded call that do not read its tensors: the communicator's rank, the options, the global
+/// problem, causal's equal lengths and the even split. `who` names the entry point in messages.
+inline status check_sharding(int n, int rank, const problem& global, bool is_causal, const options& opt,
+                             const char* who) {
+  if (n < 1 || rank < 0 || rank >= n)
+    return status::invalid("comm: rank " + std::to_string(rank) + " of " + std::to_string(n));
+  if (opt.layout != layout::contiguous && opt.layout != layout::zigzag)
+    return status::invalid("options.layout is not a dist::layout value");
+  if (opt.strategy != strategy::automatic && opt.strategy != strategy::ring && opt.strategy != strategy::all_gather)
+    return status::invalid("options.strategy is not a dist::strategy value");
+  if (status s = validate(global); !s) return s;
+  if (is_causal && global.seq_q != global.seq_kv)
+    return {errc::unsupported, std::string(who) + ": causal needs problem.seq_q = seq_kv; they are " +
+                                   std::to_string(global.seq_q) + " and " + std::to_string(global.seq_kv)};
+  const index_t unit = opt.layout == layout::zigzag ? 2 * index_t(n) : index_t(n);
+  const char* names[2] = {"seq_q", "seq_kv"};
+  const index_t seqs[2] = {global.seq_q, global.seq_kv};
+  for (int i = 0; i < 2; ++i)
+    if (seqs[i] % unit != 0)
+      return status::invalid("problem." + std::string(names[i]) + " is " + std::to_string(seqs[i]) + "; a " +
+                             layout_name(opt.layout) + " split over " + std::to_string(n) +
+                             " ranks needs a multiple of " + std::to_string(unit) + " (uneven shards are not supported)");
+  return {};
+}
+
 template <class Mask>
 struct mask_kind;
 template <>
@@ -415,25 +466,7 @@ status attend(Comm& comm, const Policy& pol, const problem& global,
   const status mask_ok = detail::mask_kind<Mask>::is_causal(mask, is_causal);
   const auto check = [&]() -> status {
     if (!mask_ok) return mask_ok;
-    if (n < 1 || comm.rank() < 0 || comm.rank() >= n)
-      return status::invalid("comm: rank " + std::to_string(comm.rank()) + " of " + std::to_string(n));
-    if (opt.layout != layout::contiguous && opt.layout != layout::zigzag)
-      return status::invalid("options.layout is not a dist::layout value");
-    if (opt.strategy != strategy::automatic && opt.strategy != strategy::ring && opt.strategy != strategy::all_gather)
-      return status::invalid("options.strategy is not a dist::strategy value");
-    if (status s = validate(global); !s) return s;
-    if (is_causal && global.seq_q != global.seq_kv)
-      return {errc::unsupported, "dist::attend: causal needs problem.seq_q = seq_kv; they are " +
-                                     std::to_string(global.seq_q) + " and " + std::to_string(global.seq_kv)};
-    const index_t unit = opt.layout == layout::zigzag ? 2 * index_t(n) : index_t(n);
-    const char* names[2] = {"seq_q", "seq_kv"};
-    const index_t seqs[2] = {global.seq_q, global.seq_kv};
-    for (int i = 0; i < 2; ++i)
-      if (seqs[i] % unit != 0)
-        return status::invalid("problem." + std::string(names[i]) + " is " + std::to_string(seqs[i]) + "; a " +
-                               layout_name(opt.layout) + " split over " + std::to_string(n) +
-                               " ranks needs a multiple of " + std::to_string(unit) +
-                               " (uneven shards are not supported)");
+    if (status s = detail::check_sharding(n, comm.rank(), global, is_causal, opt, "dist::attend"); !s) return s;
     problem lp = global;
     lp.seq_q = global.seq_q / n;
     lp.seq_kv = global.seq_kv / n;

@@ -1,7 +1,7 @@
 /// @file cuda.cuh
-/// dist::attend with policy::cuda: the schedule of dist/attend.hpp on device memory (buffers from a memory pool of
-/// fusedattn/dist's own, copies and merges as kernels on the policy's stream). Include from a .cu file (nvcc) after
-/// or instead of dist/attend.hpp; pair it with a stream-ordered engine (dist/nccl.hpp).
+/// dist::attend and dist::attend_backward with policy::cuda: the schedules of dist/attend.hpp and dist/backward.hpp
+/// on device memory (buffers from a memory pool of fusedattn/dist's own, copies, sums and merges as kernels on the
+/// policy's stream). Include from a .cu file (nvcc) instead of those two; pair it with a stream-ordered engine.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -19,6 +19,7 @@
 #include "../backends/cuda/device_types.cuh"
 #include "../backends/cuda/error.cuh"
 #include "attend.hpp"
+#include "backward.hpp"
 #include "merge.cuh"
 
 namespace fusedattn {
@@ -79,6 +80,21 @@ __global__ void copy_rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst) {
   }
 }
 
+/// dst += src, summed in dst's type: the layout of copy_rows_kernel.
+template <class S, class D>
+__global__ void add_rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst) {
+  const index_t rows = src.dims.b * src.dims.h * src.dims.s;
+  const int lane = threadIdx.x % 32;
+  for (index_t row = index_t(blockIdx.x) * copy_rows_per_block + threadIdx.x / 32; row < rows;
+       row += index_t(gridDim.x) * copy_rows_per_block) {
+    const index_t i = row % src.dims.s, h = row / src.dims.s % src.dims.h, b = row / src.dims.s / src.dims.h;
+    const S* a = src.row(b, h, i);
+    D* o = dst.row(b, h, i);
+    for (index_t c = lane; c < src.dims.d; c += 32)
+      o[c] = cuda_backend::narrow<D>(cuda_backend::widen(o[c]) + cuda_backend::widen(a[c]));
+  }
+}
+
 __global__ inline void fill_kernel(float* p, index_t n, float value) {
   for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += index_t(gridDim.x) * blockDim.x)
     p[i] = value;
@@ -125,6 +141,26 @@ class cuda_exec {
     const index_t blocks = std::min<index_t>((rows + copy_rows_per_block - 1) / copy_rows_per_block, index_t(1) << 20);
     copy_rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * copy_rows_per_block, 0, stream_>>>(s, d);
     return cuda_backend::last_launch("fusedattn::dist copy");
+  }
+
+  template <class S, class D>
+  status add(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
+    using ES = cuda_backend::device_t<S>;
+    using ED = cuda_backend::device_t<D>;
+    const index_t rows = src.dims.b * src.dims.h * src.dims.s;
+    if (rows == 0) return {};
+    const tensor_ref<const ES> s{reinterpret_cast<const ES*>(src.data), src.dims, src.stride};
+    const tensor_ref<ED> d{reinterpret_cast<ED*>(dst.data), dst.dims, dst.stride};
+    const index_t blocks = std::min<index_t>((rows + copy_rows_per_block - 1) / copy_rows_per_block, index_t(1) << 20);
+    add_rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * copy_rows_per_block, 0, stream_>>>(s, d);
+    return cuda_backend::last_launch("fusedattn::dist add");
+  }
+
+  template <class U>
+  status zero(U* p, index_t n) {
+    if (n == 0) return {};
+    return cuda_backend::from_cuda(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(U), stream_),
+                                   "cudaMemsetAsync");
   }
 
   status fill(float* p, index_t n, float value) {
