@@ -1,7 +1,8 @@
 // Example 13: context parallelism on CPU processes. One attention whose sequence is sharded over the MPI ranks:
 // every rank holds a shard of Q, K and V (zigzag: chunks r and 2N-1-r of 2N), dist::attend rotates the K/V shards
 // around the ring (or gathers them, for GQA) and merges the partial results by their lse. Each rank checks its rows
-// against a float64 loop over the whole sequence.
+// against a float64 loop over the whole sequence; then dist::attend_backward turns the forward's O and lse and a
+// gradient dO into this rank's dQ, dK and dV, checked against one process's attend_backward over the whole sequence.
 //   mpirun -np 2 ./example_13_context_parallel            check (exit 1 on a mismatch)
 //   mpirun -np 2 ./example_13_context_parallel --bench    scaling efficiency and communication hidden / exposed
 //        [--seq 2048,4096] [--heads 8] [--dim 64] [--reps 3]
@@ -15,10 +16,11 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fusedattn/fusedattn.hpp>
-#include <fusedattn/dist/attend.hpp>
+#include <fusedattn/dist/backward.hpp>  // dist::attend and dist::attend_backward
 #include <fusedattn/dist/mpi.hpp>
 
 namespace fa = fusedattn;
@@ -78,6 +80,49 @@ void reference_row(const fa::problem& p, const std::vector<float>& q, const std:
   for (double& x : out) x /= l;
 }
 
+/// The backward pass of the sharded call: dQ, dK, dV of this rank's shards from its O and lse, against the rows of
+/// one process's attend + attend_backward over the whole sequence. Returns the largest difference relative to the
+/// largest gradient (every rank's).
+double backward_error(dist::mpi_comm& comm, const fa::problem& p, const fa::problem& local, dist::strategy s,
+                      const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                      const std::vector<float>& d_o, const std::vector<float>& o, const std::vector<float>& lse) {
+  const int n = comm.size(), r = comm.rank();
+  const std::vector<float> ql = shard(q, p.q_dims(), n, r), kl = shard(k, p.kv_dims(), n, r),
+                           vl = shard(v, p.kv_dims(), n, r), dol = shard(d_o, p.o_dims(), n, r);
+  std::vector<float> dq(ql.size()), dk(kl.size()), dv(vl.size());
+  const fa::status st = dist::attend_backward(
+      comm, fa::policy::cpu<>{1}, p, fa::bhsd<const float>(ql.data(), local.q_dims()),
+      fa::bhsd<const float>(kl.data(), local.kv_dims()), fa::bhsd<const float>(vl.data(), local.kv_dims()),
+      fa::bhsd<const float>(o.data(), local.o_dims()), fa::bhsd<const float>(dol.data(), local.o_dims()), lse.data(),
+      fa::bhsd(dq.data(), local.q_dims()), fa::bhsd(dk.data(), local.kv_dims()), fa::bhsd(dv.data(), local.kv_dims()),
+      fa::causal{}, dist::options{dist::layout::zigzag, s, {}});
+  if (!st) {
+    std::fprintf(stderr, "rank %d: %s\n", r, st.what());
+    return INFINITY;
+  }
+  // One process: the whole forward (for O and lse), then the whole backward; this rank's rows of its gradients.
+  std::vector<float> ow(q.size()), lw(static_cast<std::size_t>(p.lse_size())), dqw(q.size()), dkw(k.size()), dvw(v.size());
+  const auto whole = [](const std::vector<float>& x, const fa::dims4& d) { return fa::bhsd<const float>(x.data(), d); };
+  if (!fa::attend(fa::policy::cpu<>{1}, p, whole(q, p.q_dims()), whole(k, p.kv_dims()), whole(v, p.kv_dims()),
+                  fa::bhsd(ow.data(), p.o_dims()), fa::causal{}, lw.data()) ||
+      !fa::attend_backward(fa::policy::cpu<>{1}, p, whole(q, p.q_dims()), whole(k, p.kv_dims()),
+                           whole(v, p.kv_dims()), whole(ow, p.o_dims()), whole(d_o, p.o_dims()), lw.data(),
+                           fa::bhsd(dqw.data(), p.q_dims()), fa::bhsd(dkw.data(), p.kv_dims()),
+                           fa::bhsd(dvw.data(), p.kv_dims()), fa::causal{}))
+    return INFINITY;
+  double err = 0, size = 1;
+  const std::pair<const std::vector<float>*, std::vector<float>> pairs[3] = {
+      {&dq, shard(dqw, p.q_dims(), n, r)}, {&dk, shard(dkw, p.kv_dims(), n, r)}, {&dv, shard(dvw, p.kv_dims(), n, r)}};
+  for (const auto& [mine, one] : pairs)
+    for (std::size_t i = 0; i < one.size(); ++i) {
+      err = std::max(err, double(std::abs((*mine)[i] - one[i])));
+      size = std::max(size, double(std::abs(one[i])));
+    }
+  double both[2] = {err, size};  // the largest error and gradient over every rank
+  MPI_Allreduce(MPI_IN_PLACE, both, 2, MPI_DOUBLE, MPI_MAX, comm.native());
+  return both[0] / both[1];
+}
+
 int check(dist::mpi_comm& comm) {
   const int n = comm.size(), r = comm.rank();
   // GQA 8:2, causal; the sequence cut into 2N chunks of 96 rows.
@@ -86,16 +131,17 @@ int check(dist::mpi_comm& comm) {
   const std::vector<float> q = random_values(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim), rng);
   const std::vector<float> k = random_values(static_cast<std::size_t>(p.batch * p.heads_kv * p.seq_kv * p.head_dim), rng);
   const std::vector<float> v = random_values(k.size(), rng);
+  const std::vector<float> d_o = random_values(q.size(), rng);  // dL/dO of the backward check
   fa::problem local = p;
   local.seq_q = local.seq_kv = dist::shard_rows(p.seq_q, n);
   const std::vector<float> ql = shard(q, p.q_dims(), n, r), kl = shard(k, p.kv_dims(), n, r), vl = shard(v, p.kv_dims(), n, r);
-  double worst = 0;
+  double worst = 0, worst_backward = 0;
   for (dist::strategy s : {dist::strategy::ring, dist::strategy::all_gather}) {
-    std::vector<float> o(ql.size());
+    std::vector<float> o(ql.size()), lse(static_cast<std::size_t>(local.lse_size()));
     const fa::status st = dist::attend(comm, fa::policy::cpu<>{1}, p, fa::bhsd<const float>(ql.data(), local.q_dims()),
                                        fa::bhsd<const float>(kl.data(), local.kv_dims()),
                                        fa::bhsd<const float>(vl.data(), local.kv_dims()),
-                                       fa::bhsd(o.data(), local.o_dims()), fa::causal{}, nullptr,
+                                       fa::bhsd(o.data(), local.o_dims()), fa::causal{}, lse.data(),
                                        dist::options{dist::layout::zigzag, s, {}});
     if (!st) {
       std::fprintf(stderr, "rank %d: %s\n", r, st.what());
@@ -118,8 +164,13 @@ int check(dist::mpi_comm& comm) {
       std::printf("%d ranks, %s, causal, GQA 8:2, S %lld, f32: max error vs float64 %.2e\n", n, dist::strategy_name(s),
                   static_cast<long long>(p.seq_q), err);
     worst = std::max(worst, err);
+    const double backward = backward_error(comm, p, local, s, q, k, v, d_o, o, lse);
+    if (r == 0)
+      std::printf("%d ranks, %s, backward: max |dQ, dK, dV - one process| / max |gradient| %.2e\n", n,
+                  dist::strategy_name(s), backward);
+    worst_backward = std::max(worst_backward, backward);
   }
-  const bool ok = worst < 1e-4;
+  const bool ok = worst < 1e-4 && worst_backward < 1e-4;
   if (r == 0) std::printf("%s\n", ok ? "match" : "MISMATCH");
   return ok ? 0 : 1;
 }
