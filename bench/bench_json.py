@@ -65,6 +65,12 @@ def ceilings(context):
     return out
 
 
+def bf16_peaks(context):
+    """{threads: bf16 dot-product peak FLOP/s} from the context (absent where the CPU has no AVX512-BF16)."""
+    return {int(k.rsplit("_", 1)[1]): float(v) for k, v in context.items()
+            if k.startswith("fusedattn_bf16_peak_flops_threads_")}
+
+
 def shape_key(row):
     """What two rows must share to be the same problem: sizes, storage type, mask and threads."""
     return tuple(int(row.get(k, 0)) for k in ("b", "h", "h_kv", "s_q", "s_kv", "d")) + (

@@ -14,6 +14,8 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include <fusedattn/cpu/x86_kernels.hpp>
+
 namespace fusedattn::bench {
 namespace {
 
@@ -101,6 +103,36 @@ double measure_peak_flops(int threads, int repeats) {
     best = std::max(best, total);
   }
   return best;
+}
+
+double measure_bf16_peak_flops(int threads, int repeats) {
+#if FUSEDATTN_X86_KERNELS
+  if (!cpu::avx512bf16::available()) return 0;
+  constexpr std::int64_t iters_per_call = std::int64_t(1) << 20;
+  constexpr double flop_per_iter = 24.0 * 64.0;  // 24 chains × (16 lanes × 2 products × multiply-add)
+  const double t0 = thread_cpu_seconds();
+  sink = cpu::x86::dpbf16_chains(iters_per_call, 0.5f);
+  const double one = std::max(1e-6, thread_cpu_seconds() - t0);
+  const std::int64_t iters =
+      iters_per_call * std::max<std::int64_t>(1, static_cast<std::int64_t>(fma_target_seconds / one));
+  const double flop_per_thread = flop_per_iter * static_cast<double>(iters);
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    std::vector<double> rate(static_cast<std::size_t>(threads), 0.0);
+    timed_parallel(threads, [&](int t) {
+      const double c0 = thread_cpu_seconds();
+      sink = cpu::x86::dpbf16_chains(iters, 0.5f);
+      rate[static_cast<std::size_t>(t)] = flop_per_thread / std::max(1e-9, thread_cpu_seconds() - c0);
+    });
+    double total = 0;
+    for (double x : rate) total += x;
+    best = std::max(best, total);
+  }
+  return best;
+#else
+  (void)threads, (void)repeats;
+  return 0;
+#endif
 }
 
 double measure_bandwidth(int threads, std::size_t array_bytes, int repeats) {

@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
     fb::register_flash_row(r);
     fb::register_peer_rows(r);
   }
+  fb::register_bf16_flash_rows(pl);
   fb::register_backward_rows(pl);
   fb::register_decode_rows(pl);
   benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());

@@ -46,7 +46,7 @@ def short_label(row):
     return text
 
 
-def plot_roofline(rows, roofs, path, title):
+def plot_roofline(rows, roofs, path, title, bf16_roofs=None):
     points = [r for r in rows if r.get("flop", 0) > 0 and r.get("bytes", 0) > 0 and r["seconds"] > 0]
     if not points:
         print("plot: no row with flop and bytes counters; roofline.png not drawn", file=sys.stderr)
@@ -65,6 +65,13 @@ def plot_roofline(rows, roofs, path, title):
         ax.plot([ridge, x_hi], [peak / GIGA, peak / GIGA], color="black", ls=ls, lw=1.2,
                 label="%d thread%s: peak %.0f GFLOP/s, %.1f GB/s" % (threads, "" if threads == 1 else "s",
                                                                      peak / GIGA, bw / GIGA))
+    for i, (threads, peak) in enumerate(sorted((bf16_roofs or {}).items())):
+        if threads not in roofs:
+            continue
+        bw = roofs[threads][1]
+        ax.plot([peak / bw, x_hi], [peak / GIGA, peak / GIGA], color="grey", ls=styles[i % len(styles)], lw=1.2,
+                label="%d thread%s: bf16 dot-product peak %.0f GFLOP/s" % (threads, "" if threads == 1 else "s",
+                                                                          peak / GIGA))
     kernels = sorted({r["kernel"] for r in points})
     colour = {k: KERNEL_COLOURS[i % len(KERNEL_COLOURS)] for i, k in enumerate(kernels)}
     seen = set()
@@ -200,7 +207,8 @@ def main():
         for r in picked:
             r["seconds"] = r["cpu_seconds"]
         where += ", rates on CPU time"
-    plot_roofline(picked, roofs, os.path.join(args.out, "roofline.png"), "fusedattn roofline (%s)" % where)
+    plot_roofline(picked, roofs, os.path.join(args.out, "roofline.png"), "fusedattn roofline (%s)" % where,
+                  bench_json.bf16_peaks(context))
     plot_sparsity(rows, os.path.join(args.out, "sparsity.png"), "block-sparse speedup vs sparsity (%s)" % where)
 
 

@@ -124,10 +124,13 @@ ceilings measure_ceilings(const std::vector<int>& thread_counts, std::size_t tri
   c.triad_array_bytes = triad_array_bytes;
   c.llc_bytes = reported_llc_bytes();
   for (int t : std::set<int>(thread_counts.begin(), thread_counts.end())) {
-    ceiling one{t, measure_peak_flops(t, ceiling_repeats), measure_bandwidth(t, triad_array_bytes, ceiling_repeats)};
+    ceiling one{t, measure_peak_flops(t, ceiling_repeats), measure_bf16_peak_flops(t, ceiling_repeats),
+                measure_bandwidth(t, triad_array_bytes, ceiling_repeats)};
     c.by_threads.push_back(one);
     const std::string suffix = "_threads_" + std::to_string(t);
     benchmark::AddCustomContext("fusedattn_peak_flops" + suffix, fmt("%.6g", one.peak_flops));
+    if (one.bf16_peak_flops > 0)
+      benchmark::AddCustomContext("fusedattn_bf16_peak_flops" + suffix, fmt("%.6g", one.bf16_peak_flops));
     benchmark::AddCustomContext("fusedattn_bandwidth" + suffix, fmt("%.6g", one.bandwidth));
   }
   benchmark::AddCustomContext("fusedattn_fma_loop", c.fma.arch + ", " + std::to_string(c.fma.lanes) + " lanes, " +
@@ -143,10 +146,15 @@ void print_ceilings(std::ostream& os, const ceilings& c) {
   os << "  bandwidth: triad a = b + s*c over 3 arrays of " << size_text(static_cast<double>(c.triad_array_bytes))
      << " (OS-reported last-level cache " << size_text(static_cast<double>(c.llc_bytes))
      << "), 3 arrays counted (STREAM convention), wall time\n";
-  for (const ceiling& x : c.by_threads)
+  const bool bf16 = !c.by_threads.empty() && c.by_threads.front().bf16_peak_flops > 0;
+  if (bf16) os << "  bf16 dot-product peak: vdpbf16ps loop, 16 lanes x 24 independent chains per thread\n";
+  for (const ceiling& x : c.by_threads) {
     os << "  threads " << x.threads << ": peak " << fmt("%.1f", x.peak_flops / giga) << " GFLOP/s, bandwidth "
        << fmt("%.1f", x.bandwidth / giga) << " GB/s, ridge point " << fmt("%.1f", x.peak_flops / x.bandwidth)
-       << " FLOP/B\n";
+       << " FLOP/B";
+    if (x.bf16_peak_flops > 0) os << "; bf16 peak " << fmt("%.1f", x.bf16_peak_flops / giga) << " GFLOP/s";
+    os << "\n";
+  }
   os << std::flush;
 }
 

@@ -15,7 +15,7 @@ std::string shape_name(const shape& sh) {
   return n + "_d" + std::to_string(sh.d);
 }
 
-const char* scalar_label(scalar s) { return s == scalar::f32 ? "f32" : "f16"; }
+const char* scalar_label(scalar s) { return s == scalar::f32 ? "f32" : s == scalar::f16 ? "f16" : "bf16"; }
 const char* mask_label(mask_kind m) { return m == mask_kind::dense ? "dense" : "causal"; }
 
 band_choice to_mask(mask_kind m) {

@@ -27,8 +27,8 @@ inline shape square(index_t b, index_t h, index_t s, index_t d) { return {b, h, 
 /// "b1_h8_s512_d64", spelling out h_kv, s_q and s_kv only when they differ.
 std::string shape_name(const shape& sh);
 
-/// Storage types the bench rows use.
-enum class scalar { f32, f16 };
+/// Storage types the bench rows use (bf16: the flash rows of register_bf16_flash_rows only).
+enum class scalar { f32, f16, bf16 };
 /// Masks the bench rows use.
 enum class mask_kind { dense, causal };
 
@@ -182,8 +182,9 @@ template <class Policy>
 void register_row(const row_spec& r) {
   const std::string name = row_name(kernel_model<Policy>::name, r);
   benchmark::internal::Benchmark* b =
-      r.type == scalar::f32 ? benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, float>, r)
-                            : benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::half>, r);
+      r.type == scalar::f32   ? benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, float>, r)
+      : r.type == scalar::f16 ? benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::half>, r)
+                              : benchmark::RegisterBenchmark(name.c_str(), attention_row<Policy, Eigen::bfloat16>, r);
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
@@ -191,6 +192,10 @@ void register_row(const row_spec& r) {
 void register_naive_row(const row_spec& r);
 /// The flash kernel's row (policy::cpu<> on the compiler's best xsimd arch), from rows_flash.cpp.
 void register_flash_row(const row_spec& r);
+/// The bf16 flash rows (flash/bf16/..., all-bf16 storage) beside the f32 rows of the same shapes, from
+/// rows_flash.cpp: policy::cpu<cpu::avx512bf16> (vdpbf16ps) where the CPU has AVX512-BF16, else policy::cpu<>.
+/// Quick: the leaderboard shapes with S >= 512, dense, 1 and all threads; full: dense and causal.
+void register_bf16_flash_rows(const plan& pl);
 /// The backward pass's rows (flash_bwd/..., attend_backward on policy::cpu<>), from rows_backward.cpp: S 1024–4096,
 /// head_dim 64 and 128, dense and causal, 1 and all threads; f32 (quick), f32 and f16 (full).
 void register_backward_rows(const plan& pl);

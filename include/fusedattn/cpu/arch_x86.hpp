@@ -85,9 +85,10 @@ struct avx512bf16 {
   static constexpr const char* name() noexcept { return "avx512bf16"; }
 };
 
-/// The best kernel set the running CPU supports, chosen at run time per call: avx512bf16, else avx512, else the
-/// compiled xsimd arch (compiled_arch) when the CPU has it, else the portable scalar path. fa::plan names the
-/// arch chosen. Parts without kernels of their own for the tags (backward, f64) run on compiled_arch.
+/// The best kernel set the running CPU supports, chosen at run time per call (cpu::with_best_arch in
+/// x86_kernels.hpp): avx512bf16 where its vdpbf16ps outruns the FMAs, else avx512, else the compiled xsimd arch
+/// (compiled_arch) when the CPU has it, else the portable scalar path. fa::plan names the arch chosen. Parts
+/// without kernels of their own for the tags (backward, f64) run on compiled_arch.
 struct best {
   static constexpr bool runtime_checked = true;
   static constexpr bool supported() noexcept { return true; }
@@ -195,18 +196,6 @@ struct kernel_shape<Acc, avx512> : kernel_shape<Acc, compiled_arch> {};
 template <class Acc>
 struct kernel_shape<Acc, avx512bf16> : kernel_shape<Acc, compiled_arch> {};
 #endif
-
-/// Calls f(arch) with the tag of the best kernel set the running CPU supports (cpu::best's choice): avx512bf16,
-/// avx512, compiled_arch, scalar_arch; returns what f returns.
-template <class F>
-decltype(auto) with_best_arch(F&& f) {
-#if FUSEDATTN_X86_KERNELS
-  if (avx512bf16::available()) return f(avx512bf16{});
-  if (avx512::available()) return f(avx512{});
-#endif
-  if (xsimd::available_architectures().best >= compiled_arch::version()) return f(compiled_arch{});
-  return f(scalar_arch{});
-}
 
 }  // namespace cpu
 }  // namespace fusedattn

@@ -4,12 +4,15 @@
 /// pragmas below), so they compile without -m flags; callers run them only where CPUID allows (arch_x86.hpp).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <utility>
 
+#include "../core/online_softmax.hpp"
 #include "../core/types.hpp"
 #include "arch_x86.hpp"
 
@@ -22,6 +25,11 @@
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wuninitialized reports once they are
+// inlined into a function whose instruction set comes from a target pragma.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace fusedattn {
@@ -34,7 +42,7 @@ constexpr index_t W = shape::width;
 #if defined(__clang__)
 #define FUSEDATTN_X86_UNROLL _Pragma("unroll")
 #else
-#define FUSEDATTN_X86_UNROLL _Pragma("GCC unroll 16")
+#define FUSEDATTN_X86_UNROLL _Pragma("GCC unroll 32")
 #endif
 
 /// Keeps a loaded vector in a register (micro_kernels.hpp's pin_register: without it GCC folds the load into
@@ -320,19 +328,24 @@ inline void pack_v_pair_row(const Eigen::bfloat16* vk, const Eigen::bfloat16* v_
 
 // ---- the online-softmax row (kernels/softmax.hpp's online_softmax_row, on 16 lanes) ----
 
-/// Horizontal max and sum of 16 lanes by in-register shuffles (halves, quarters, pairs, lanes).
+/// Horizontal max and sum of 16 lanes by in-register shuffles (halves, quarters, pairs, lanes). The zero-masked
+/// forms with a full mask are the plain shuffles (GCC's unmasked ones start from an undefined register, which its
+/// -Wuninitialized reports).
+inline __m512 swap_lanes(__m512 x, int level) {
+  constexpr __mmask16 all = 0xffff;
+  switch (level) {
+    case 0: return _mm512_maskz_shuffle_f32x4(all, x, x, _MM_SHUFFLE(1, 0, 3, 2));
+    case 1: return _mm512_maskz_shuffle_f32x4(all, x, x, _MM_SHUFFLE(2, 3, 0, 1));
+    case 2: return _mm512_maskz_permute_ps(all, x, _MM_SHUFFLE(1, 0, 3, 2));
+    default: return _mm512_maskz_permute_ps(all, x, _MM_SHUFFLE(2, 3, 0, 1));
+  }
+}
 inline float reduce_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  for (int level = 0; level < 4; ++level) x = _mm512_max_ps(x, swap_lanes(x, level));
   return _mm512_cvtss_f32(x);
 }
 inline float reduce_add(__m512 x) {
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  for (int level = 0; level < 4; ++level) x = _mm512_add_ps(x, swap_lanes(x, level));
   return _mm512_cvtss_f32(x);
 }
 
@@ -363,7 +376,7 @@ inline float online_softmax_row(float* s, index_t cols, float c, float& m, float
   __m512 vmax = _mm512_set1_ps(neg_inf);
   for (index_t j = 0; j < cols; j += W) vmax = _mm512_max_ps(_mm512_loadu_ps(s + j), vmax);  // skips a NaN score
   const float tile_max = reduce_max(vmax) * c;
-  const float m_new = tile_max > m ? tile_max : m;  // skips a NaN tile_max
+  const float m_new = online::new_max(m, tile_max);
   if (m_new == neg_inf) {
     bool saw_nan = false;
     for (index_t j = 0; j < cols; ++j) {
@@ -380,24 +393,32 @@ inline float online_softmax_row(float* s, index_t cols, float c, float& m, float
     _mm512_storeu_ps(s + j, p);
     vsum = _mm512_add_ps(vsum, p);
   }
-  // α = 2^(m − m_new) (0 when nothing was accumulated yet), l = α·l + Σ p, m = m_new.
-  const float alpha = std::exp2(m - m_new);
-  l = alpha * l + reduce_add(vsum);
-  m = m_new;
-  return alpha;
+  return online::update(m, l, m_new, reduce_add(vsum));  // α = 0 when m = −inf: nothing accumulated yet
 }
 
 /// The bf16 dot-product peak probe of the bench's ceilings: `iters` rounds of 24 independent vdpbf16ps chains
 /// (64 FLOPs each: 16 lanes × 2 products × multiply-add). Returns a value that depends on every chain.
 __attribute__((noinline)) inline float dpbf16_chains(std::int64_t iters, float seed) {
   __m512 acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(seed * static_cast<float>(i));
+  FUSEDATTN_X86_UNROLL for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(seed * static_cast<float>(i));
   const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed), _mm512_set1_ps(1.0f - seed));
   const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(seed * 0.25f));
   for (std::int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    FUSEDATTN_X86_UNROLL for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
   __m512 sum = acc[0];
-  for (int i = 1; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  FUSEDATTN_X86_UNROLL for (int i = 1; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  return reduce_add(sum);
+}
+
+/// The f32 counterpart of dpbf16_chains: 24 independent FMA chains (32 FLOPs each), for bf16_dot_pays.
+__attribute__((noinline)) inline float fma_chains(std::int64_t iters, float seed) {
+  __m512 acc[24];
+  FUSEDATTN_X86_UNROLL for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(seed * static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(seed * 1e-3f);
+  for (std::int64_t it = 0; it < iters; ++it)
+    FUSEDATTN_X86_UNROLL for (int i = 0; i < 24; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  __m512 sum = acc[0];
+  FUSEDATTN_X86_UNROLL for (int i = 1; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
   return reduce_add(sum);
 }
 
@@ -408,7 +429,62 @@ __attribute__((noinline)) inline float dpbf16_chains(std::int64_t iters, float s
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 
+namespace fusedattn {
+namespace cpu {
+namespace x86 {
+
+/// Whether vdpbf16ps beats f32 FMAs on this CPU: its FLOP rate (64 per instruction) at least 1.25x that of the
+/// FMA (32 per instruction), both timed once per process on 24 independent register chains, best of 5 short runs
+/// (about a millisecond in all). Cores differ by 4x here: Zen 4/5 issue two vdpbf16ps a cycle, Sapphire Rapids
+/// class Xeons one every other cycle (half their FMA rate), where the widening f32 kernels are the faster ones.
+inline bool bf16_dot_pays() {
+  static const bool pays = [] {
+    if (!avx512bf16::available()) return false;
+    using clock = std::chrono::steady_clock;
+    constexpr std::int64_t iters = 4096;
+    const auto best_seconds = [&](auto&& run) {
+      double best = 1e30;
+      for (int r = 0; r < 5; ++r) {
+        const auto t0 = clock::now();
+        volatile float keep = run();
+        (void)keep;
+        best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
+      }
+      return best;
+    };
+    const double dot = best_seconds([] { return dpbf16_chains(iters, 0.5f); });
+    const double fma = best_seconds([] { return fma_chains(iters, 0.5f); });
+    // FLOP rates: dot does 64 FLOPs an instruction, fma 32, over the same instruction count.
+    return 64.0 / dot >= 1.25 * 32.0 / fma;
+  }();
+  return pays;
+}
+
+}  // namespace x86
+}  // namespace cpu
+}  // namespace fusedattn
+
 #endif  // FUSEDATTN_X86_KERNELS
+
+namespace fusedattn {
+namespace cpu {
+
+/// Calls f(arch) with the tag of the best kernel set the running CPU supports (cpu::best's choice) and returns
+/// what f returns: avx512bf16 where vdpbf16ps outruns the FMAs (x86::bf16_dot_pays), else avx512 (bf16 and f16
+/// widened to f32), else compiled_arch where the CPU has it, else scalar_arch.
+template <class F>
+decltype(auto) with_best_arch(F&& f) {
+#if FUSEDATTN_X86_KERNELS
+  if (avx512bf16::available() && x86::bf16_dot_pays()) return f(avx512bf16{});
+  if (avx512::available()) return f(avx512{});
+#endif
+  if (xsimd::available_architectures().best >= compiled_arch::version()) return f(compiled_arch{});
+  return f(scalar_arch{});
+}
+
+}  // namespace cpu
+}  // namespace fusedattn

@@ -100,7 +100,7 @@ status attend(const Policy& pol, const problem& p, tensor_ref<const float> q, te
       const tensor_ref<const float> k32{nullptr, k.dims, k.stride}, v32{nullptr, v.dims, v.stride};
       if (status st = detail::plan_run(pol, p, q, k32, v32, o, bound, lse).st; !st) return st;
       if (detail::nothing_to_compute(p)) return {};
-      if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse);
+      if (p.seq_kv == 0) return kernels::no_key_rows(p, o, lse, mods_of(bound));
       return kernels::flash_attention_kv<float, typename Policy::arch>(p, q, kernels::strided_kv<KV>{k, v}, o, bound,
                                                                        lse, pol.threads, pol.tiles);
     }
