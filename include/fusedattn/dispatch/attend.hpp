@@ -97,7 +97,7 @@ status run(const policy::ascend&, const problem&, const tensor_ref<const T>&, co
 ///     (masked, or outside the causal / window band, or in an unlisted block) never touches row i's O or lse;
 ///   - masked probabilities never multiply V: an infinite or NaN V row reaches only the rows that see its key
 ///     (element c of V row j reaches element c of those rows' O; their lse is unaffected);
-///   - a row that sees no key gives O = 0 and lse = −inf (never NaN);
+///   - a row that sees no key gives O = 0 and lse = −inf (never NaN), or lse = the head's sink logit with sinks;
 ///   - a NaN in a row's logits (from its Q row or from the K row of a key it sees) makes that row's O and lse NaN.
 /// The CPU kernels run with subnormals flushed to zero (the caller's floating-point mode is restored).
 /// `fa::plan` with the same arguments tells which kernel this call runs and its scratch memory, without running it.

@@ -87,7 +87,7 @@ inline void modify_row(Acc* s, index_t cols, Acc scale, const bound_mods& mods, 
 /// One online-softmax step for one row of a tile (the state update is online::update).
 ///   s: the row's raw scores q·k_j, `cols` of them (a multiple of the vector width); keys the mask forbids, and
 ///      padding columns, hold −inf. On return s holds p_j = 2^(c·s_j − m_new).
-///   c: scale·log2e (> 0), so c·s_j is the logit in base 2;
+///   c: scale·log2e (> 0), so c·s_j is the logit in base 2; or 1 when modify_row already made s base-2 logits;
 ///   m, l: the row's running max (base 2) and sum (in/out).
 /// Math: m_new = max(m, c·max_j s_j); α = 2^(m − m_new); p_j = 2^(c·s_j − m_new) with c·s_j − m_new formed by one
 /// FMA (no rounding of the large logit itself); l = α·l + Σ_j p_j; returns α, by which the caller rescales the
