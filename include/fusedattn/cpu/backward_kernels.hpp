@@ -15,8 +15,8 @@ namespace fusedattn {
 namespace cpu {
 
 /// Register blocking of the backward micro-kernels: `mr` rows × `nr` vectors of accumulators.
-/// 32-register arches (AVX-512): 6 × 4 (24 accumulators, 4 streamed B vectors, 1 broadcast); 16-register arches:
-/// 4 × 2; the scalar path 4 × 4 scalars.
+/// 32-register arches (AVX-512, AArch64 NEON): 6 × 4 (24 accumulators, 4 streamed B vectors, 1 broadcast);
+/// 16-register arches: 4 × 2; the scalar path 4 × 4 scalars.
 template <class Acc, class Arch>
 struct backward_shape {
   static constexpr index_t width = simd<Acc, Arch>::width;

@@ -186,8 +186,8 @@ inline void pv_tile(Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, ind
 // ---- Decode micro-kernels: K and V read in place, in their storage type T, at a row stride (no packing). ----
 
 /// W values of storage type T at `x` as one vector of Acc. float → float is a load; Eigen::half and
-/// Eigen::bfloat16 widen in registers (AVX-512 / AVX2 conversions where the arch has them, else one value at a
-/// time); both widenings are exact, so every path gives the same bits as static_cast<Acc>.
+/// Eigen::bfloat16 widen in registers (AVX-512 / AVX2 / NEON conversions where the arch has them, else one value
+/// at a time); both widenings are exact, so every path gives the same bits as static_cast<Acc>.
 template <class Acc, class Arch, class T>
 inline typename simd<Acc, Arch>::type load_as(const T* x) {
   using V = simd<Acc, Arch>;
@@ -214,6 +214,13 @@ inline typename simd<Acc, Arch>::type load_as(const T* x) {
     if constexpr (std::is_base_of<xsimd::avx2, Arch>::value && std::is_same<Acc, float>::value && is_half)
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 #endif
+#endif
+#if XSIMD_WITH_NEON64
+    // AArch64: bf16 is the upper half of an f32 (a 16-bit left shift); f16 by FCVTL.
+    if constexpr (std::is_base_of<xsimd::neon64, Arch>::value && std::is_same<Acc, float>::value && is_bf16)
+      return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(x)), 16));
+    if constexpr (std::is_base_of<xsimd::neon64, Arch>::value && std::is_same<Acc, float>::value && is_half)
+      return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(x))));
 #endif
     alignas(64) Acc lanes[V::width];
     for (index_t i = 0; i < V::width; ++i) lanes[i] = static_cast<Acc>(x[i]);

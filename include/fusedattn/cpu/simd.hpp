@@ -30,11 +30,13 @@ struct is_runtime_arch : std::false_type {};
 template <class Arch>
 struct is_runtime_arch<Arch, std::enable_if_t<Arch::runtime_checked>> : std::true_type {};
 
-/// True when `Arch` is an xsimd AVX-512 arch (32 vector registers).
+/// True when `Arch` is an xsimd arch with 32 vector registers: AVX-512, and NEON on AArch64 (v0–v31).
 template <class Arch>
 constexpr bool has_32_registers() {
 #if XSIMD_WITH_AVX512F
   return std::is_base_of<xsimd::avx512f, Arch>::value;
+#elif XSIMD_WITH_NEON64
+  return std::is_base_of<xsimd::neon64, Arch>::value;
 #else
   return false;
 #endif
@@ -68,7 +70,13 @@ struct simd {
   static type fma(const type& a, const type& b, const type& c) { return xsimd::fma(a, b, c); }
   /// a > b ? a : b lane by lane: b when either is NaN (x86 max semantics, and the scalar path's). The softmax
   /// relies on it: max(x, acc) skips a NaN x, max(lo, x) keeps it.
-  static type max(const type& a, const type& b) { return xsimd::max(a, b); }
+  static type max(const type& a, const type& b) {
+#if XSIMD_WITH_NEON64
+    // NEON's FMAX returns NaN when either operand is NaN: compare and select instead.
+    if constexpr (std::is_base_of<xsimd::neon64, Arch>::value) return xsimd::select(a > b, a, b);
+#endif
+    return xsimd::max(a, b);
+  }
   static type mul(const type& a, const type& b) { return a * b; }
   static type add(const type& a, const type& b) { return a + b; }
   static type sub(const type& a, const type& b) { return a - b; }
@@ -81,6 +89,12 @@ struct simd {
     if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
       if constexpr (std::is_same<Acc, float>::value) return _mm512_reduce_max_ps(x);
       else return _mm512_reduce_max_pd(x);
+    }
+#endif
+#if XSIMD_WITH_NEON64
+    if constexpr (std::is_base_of<xsimd::neon64, Arch>::value) {
+      if constexpr (std::is_same<Acc, float>::value) return vmaxvq_f32(x);
+      else return vmaxvq_f64(x);
     }
 #endif
     alignas(64) Acc lanes[type::size];
@@ -105,7 +119,7 @@ inline xsimd::batch<float, Arch> exp2_nonpositive(xsimd::batch<float, Arch> x) {
   // c_k = ln2^k / k!, k = 6 .. 1
   constexpr float c6 = 1.5403530393381609e-4f, c5 = 1.3333558146428443e-3f, c4 = 9.6181291076284772e-3f,
                   c3 = 5.5504108664821580e-2f, c2 = 2.4022650695910071e-1f, c1 = 6.9314718055994531e-1f;
-  x = xsimd::max(vec(min_exponent), x);
+  x = simd<float, Arch>::max(vec(min_exponent), x);
   // n = round(x) by the shifter trick: x + 1.5·2^23 + 127 lies in [2^23, 2^24), where floats are integers, so the
   // sum holds n + 127 in its low mantissa bits; shifting those bits into the exponent field gives 2^n directly.
   const vec shifted = x + vec(shifter);
@@ -131,7 +145,7 @@ template <class Arch>
 inline xsimd::batch<double, Arch> exp2_nonpositive_f64(const xsimd::batch<double, Arch>& x) {
   using vec = xsimd::batch<double, Arch>;
   constexpr double min_exponent = -1075.0;  // 2^−1075 rounds to 0 (half the smallest subnormal, ties to even)
-  const vec p = xsimd::exp2(xsimd::max(x, vec(min_exponent)));
+  const vec p = xsimd::exp2(simd<double, Arch>::max(x, vec(min_exponent)));
   return xsimd::select(xsimd::isnan(x), x, p);
 }
 
@@ -169,7 +183,8 @@ struct simd<Acc, scalar_arch> {
 /// accumulators + 2 streamed V vectors + 1 broadcast): each V vector feeds 12 FMAs, and a packed V chunk of
 /// 2 vectors (32 floats) × 256 keys is 32 KB, so it stays in the 48 KB L1 while every row block of the tile reads
 /// it (a 4-vector chunk is 64 KB and streamed from L2 once per row block). On one thread 4 × 4 runs as fast (Sapphire
-/// Rapids class Xeon, Zen 5); with 16 threads on the Xeon 12 × 2 is faster.
+/// Rapids class Xeon, Zen 5); with 16 threads on the Xeon 12 × 2 is faster. AArch64 NEON (32 registers of 4 floats)
+/// takes the same blocking.
 /// 16-register arches: 4 × 2 for both; the scalar path 4 × 4 scalars.
 template <class Acc, class Arch>
 struct kernel_shape {
