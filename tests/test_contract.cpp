@@ -185,7 +185,7 @@ TEMPLATE_LIST_TEST_CASE("contract: non-finite inputs reach only the outputs that
     }
 }
 
-TEMPLATE_LIST_TEST_CASE("contract: zero extents are valid; nothing is written or rows see no key",
+TEMPLATE_LIST_TEST_CASE("contract: zero extents are valid, nothing is written or rows see no key",
                         "[contract][zero]", contract_policies) {
   const TestType pol = with_threads<TestType>(2);
   if (!runs_here(pol)) return;
