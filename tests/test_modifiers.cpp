@@ -176,7 +176,7 @@ TEST_CASE("modifiers: sinks give lse = sink and O = 0 for rows without keys, and
   }
 }
 
-TEST_CASE("modifiers: a sink logit far above every score leaves O near 0; far below changes nothing", "[modifiers]") {
+TEST_CASE("modifiers: a sink logit far above every score leaves O near 0, far below changes nothing", "[modifiers]") {
   const problem p{1, 2, 2, 20, 30, 16};
   std::mt19937_64 rng(fresh_seed());
   attention_case<float> c(p, layout::bhsd, rng);

@@ -183,7 +183,7 @@ TEMPLATE_TEST_CASE("cuda flash: NaN and inf reach only the outputs that depend o
         0);
 }
 
-TEMPLATE_TEST_CASE("cuda split-KV decode: NaN and inf reach only the outputs that depend on them; the merge keeps a "
+TEMPLATE_TEST_CASE("cuda split-KV decode: NaN and inf reach only the outputs that depend on them, the merge keeps a "
                    "part's NaN",
                    "[gpu][flash][decode][numerics]", Eigen::half, Eigen::bfloat16) {
   if (!have_device()) return;
@@ -223,7 +223,7 @@ TEMPLATE_TEST_CASE("cuda block-sparse: NaN and inf reach only the outputs that d
   }
 }
 
-TEST_CASE("cuda zero extents: batch, heads or seq_q 0 write nothing; seq_kv 0 gives O = 0 and lse = -inf",
+TEST_CASE("cuda zero extents: batch, heads or seq_q 0 write nothing, seq_kv 0 gives O = 0 and lse = -inf",
           "[gpu][errors]") {
   if (!have_device()) return;
   for (cuda_kernel kernel : {cuda_kernel::automatic, cuda_kernel::naive, cuda_kernel::flash}) {
