@@ -6,11 +6,11 @@
 #   optional peers: libopenblas-dev (naive-on-BLAS peer), python3-matplotlib (bench/plot.py)
 #   fuzzing:        clang-14 libclang-rt-14-dev (libFuzzer, ASan, UBSan runtimes) libomp-14-dev (clang's OpenMP)
 #   distributed:    libopenmpi-dev openmpi-bin (fusedattn/dist over MPI, its tests under mpirun)
-#   aarch64:        g++-aarch64-linux-gnu qemu-user (the NEON build cross-compiled, its tests run by qemu-aarch64;
-#                   the header-only Eigen, xsimd and Catch2 packages above serve both architectures)
+#   aarch64:        g++-aarch64-linux-gnu qemu-user ninja-build (the NEON build cross-compiled with Ninja, its
+#                   tests run by qemu-aarch64; the header-only Eigen, xsimd and Catch2 packages serve both arches)
 set -euo pipefail
 pkgs=(cmake g++ make libeigen3-dev libxsimd-dev xtl-dev catch2 libbenchmark-dev libopenblas-dev python3-matplotlib
-  clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin g++-aarch64-linux-gnu qemu-user)
+  clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin g++-aarch64-linux-gnu qemu-user ninja-build)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
