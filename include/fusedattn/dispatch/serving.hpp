@@ -1,7 +1,8 @@
 /// @file serving.hpp
 /// Serving entry points: `attend_paged` (queries against a paged KV cache addressed by a block table, vLLM /
 /// FlashInfer style) and `attend_ragged` (sequences of different lengths packed end to end, located by cumulative
-/// offsets). Both validate everything first and run on policy::cpu<Arch>; other policies return unsupported.
+/// offsets). Both validate everything first and run on policy::cpu<Arch> and policy::cuda (decode shapes on
+/// cuda.decode; ragged prefill one sequence at a time); other policies return unsupported.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,10 @@
 #include "../kernels/modifiers.hpp"
 #include "attend.hpp"
 #include "policy.hpp"
+
+#if FUSEDATTN_WITH_CUDA
+#include "../backends/cuda/serving.cuh"
+#endif
 
 namespace fusedattn {
 
@@ -194,7 +199,10 @@ void write_empty(const problem& p, const tensor_ref<T>& o, index_t b, index_t se
 /// to (p.seq_q, seq_lens[b]) (so causal{align::bottom_right} puts the queries at the end of each sequence: decode
 /// with seq_q = 1, chunked prefill and speculative decode with seq_q > 1). GQA as in attend.
 ///
-/// @param pol   policy::cpu<Arch>{threads, tiles}; other policies return errc::unsupported.
+/// @param pol   policy::cpu<Arch>{threads, tiles}, or policy::cuda{stream} (every pointer device memory; the block
+///              table and lengths are copied to the host and the stream synchronised to validate them, so the call is
+///              not graph-capturable; f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, no score modifiers:
+///              other shapes return errc::unsupported); other policies return errc::unsupported.
 /// @param p     batch = sequences, heads, heads_kv, seq_q = query rows per sequence, seq_kv = the most keys a
 ///              sequence holds (every seq_lens[b] <= seq_kv <= blocks_per_seq · page_size), head_dim, scale.
 /// @param q     (batch, heads, seq_q, head_dim) view; o the same shape, not overlapping any input.
@@ -222,7 +230,24 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
   if (status st = detail::check_operand("q", q, p.q_dims()); !st) return st;
   if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
   if (status st = detail::check_mask(mask, p); !st) return st;
-  if (status st = detail::check_paged(p, kv); !st) return st;
+  paged_kv<const T> kv_host = kv;  // the cache with host-readable tables: policy::cuda copies them from the device
+#if FUSEDATTN_WITH_CUDA
+  std::vector<std::int32_t> table_copy, lens_copy;
+  if constexpr (std::is_same<Policy, policy::cuda>::value) {
+    const auto stream = static_cast<cudaStream_t>(pol.stream);
+    if (kv.seq_lens && p.batch > 0) {
+      if (status st = cuda_backend::table_to_host(kv.seq_lens, p.batch, lens_copy, stream, "kv.seq_lens"); !st) return st;
+      kv_host.seq_lens = lens_copy.data();
+    }
+    index_t entries = 0;
+    if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 && detail::mul_ok(p.batch, kv.blocks_per_seq, entries)) {
+      if (status st = cuda_backend::table_to_host(kv.block_table, entries, table_copy, stream, "kv.block_table"); !st)
+        return st;
+      kv_host.block_table = table_copy.data();
+    }
+  }
+#endif
+  if (status st = detail::check_paged(p, kv_host); !st) return st;
   if (!detail::proven_disjoint(detail::rows_disjoint(o)))
     return status::invalid("o: its strides make distinct rows share memory (or could not be proven not to)");
   const index_t bytes_o = span_elements(o) * index_t(sizeof(T));
@@ -241,8 +266,17 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
       if (detail::overlaps(lse, bytes_lse, others[i].first, others[i].second))
         return status::invalid(std::string("lse overlaps ") + names[i]);
   }
-  if constexpr (!detail::is_cpu_flash<Policy>::value) {
-    return {errc::unsupported, "attend_paged runs on policy::cpu<Arch> only"};
+  if constexpr (std::is_same<Policy, policy::cuda>::value) {
+#if FUSEDATTN_WITH_CUDA
+    index_t max_len = 0;
+    for (index_t b = 0; b < p.batch; ++b) max_len = std::max<index_t>(max_len, kv_host.seq_lens[b]);
+    return cuda_backend::attend_paged<T>(
+        pol, p, q, kv, o, [&](index_t len) { return detail::bind_sequence(mask, p, p.seq_q, len); }, lse, max_len);
+#else
+    return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
+#endif
+  } else if constexpr (!detail::is_cpu_flash<Policy>::value) {
+    return {errc::unsupported, "attend_paged runs on policy::cpu<Arch> and policy::cuda only"};
   } else {
     const kernels::paged_rows<T> rows{kv.k, kv.v, kv.stride, kv.page_size, kv.block_table, kv.blocks_per_seq,
                                       kv.seq_lens};
@@ -281,7 +315,10 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
 /// (views of batch extent 1, e.g. bshd views of [total_tokens][heads][head_dim] buffers). Sequence b attends its
 /// own keys only, with the mask bound to its own lengths (its own causal alignment).
 ///
-/// @param pol   policy::cpu<Arch>{} or policy::cpu_naive{}; other policies return errc::unsupported.
+/// @param pol   policy::cpu<Arch>{}, policy::cpu_naive{}, or policy::cuda{stream} (device pointers; the offsets are
+///              copied to the host and the stream synchronised to validate them; every sequence with the same query
+///              count and a decode shape runs one cuda.decode launch, anything else attend's CUDA kernels one
+///              sequence at a time; no score modifiers); other policies return errc::unsupported.
 /// @param p     batch = 1, seq_q = total query tokens, seq_kv = total keys; heads, heads_kv, head_dim, scale.
 /// @param rb    the sequences and their cumulative offsets (rb.cu_seqlens_q ends at p.seq_q, cu_seqlens_kv at
 ///              p.seq_kv).
@@ -306,15 +343,40 @@ status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb
   if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
   if (rb.sequences <= 0)
     return status::invalid("ragged.sequences is " + detail::str(rb.sequences) + "; it must be positive");
-  if (status st = detail::check_offsets("cu_seqlens_q", rb.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
+  ragged_batch rb_host = rb;  // offsets the host can read: policy::cuda copies them from the device
+#if FUSEDATTN_WITH_CUDA
+  std::vector<std::int32_t> cu_q_copy, cu_kv_copy;
+  if constexpr (std::is_same<Policy, policy::cuda>::value) {
+    const auto stream = static_cast<cudaStream_t>(pol.stream);
+    if (rb.cu_seqlens_q) {
+      if (status st = cuda_backend::table_to_host(rb.cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream, "ragged.cu_seqlens_q"); !st)
+        return st;
+      rb_host.cu_seqlens_q = cu_q_copy.data();
+    }
+    if (rb.cu_seqlens_kv) {
+      if (status st = cuda_backend::table_to_host(rb.cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream, "ragged.cu_seqlens_kv"); !st)
+        return st;
+      rb_host.cu_seqlens_kv = cu_kv_copy.data();
+    }
+  }
+#endif
+  if (status st = detail::check_offsets("cu_seqlens_q", rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
     return st;
-  if (status st = detail::check_offsets("cu_seqlens_kv", rb.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv");
+  if (status st = detail::check_offsets("cu_seqlens_kv", rb_host.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv");
       !st)
     return st;
   constexpr bool flash = detail::is_cpu_flash<Policy>::value;
   constexpr bool naive = std::is_same<Policy, policy::cpu_naive>::value;
-  if constexpr (!flash && !naive) {
-    return {errc::unsupported, "attend_ragged runs on policy::cpu<Arch> and policy::cpu_naive only"};
+  if constexpr (std::is_same<Policy, policy::cuda>::value) {
+#if FUSEDATTN_WITH_CUDA
+    return cuda_backend::attend_ragged<T>(
+        pol, p, rb.sequences, rb_host.cu_seqlens_q, rb_host.cu_seqlens_kv, rb.cu_seqlens_kv, q, k, v, o,
+        [&](index_t nq, index_t nk) { return detail::bind_sequence(mask, p, nq, nk); }, lse);
+#else
+    return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
+#endif
+  } else if constexpr (!flash && !naive) {
+    return {errc::unsupported, "attend_ragged runs on policy::cpu<Arch>, policy::cpu_naive and policy::cuda only"};
   } else {
     const std::int32_t* cu_q = rb.cu_seqlens_q;
     const std::int32_t* cu_kv = rb.cu_seqlens_kv;

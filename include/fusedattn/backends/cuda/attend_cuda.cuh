@@ -20,6 +20,7 @@
 #include "../../dispatch/policy.hpp"
 #include "../../kernels/block_sparse.hpp"
 #include "../../kernels/mask.hpp"
+#include "decode.cuh"
 #include "device_layout.cuh"
 #include "device_types.cuh"
 #include "error.cuh"
@@ -304,7 +305,8 @@ status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, const 
   return last_launch("no_key_kernel");
 }
 
-/// policy::cuda's attend after validation: device-pointer checks, kernel choice (choose_kernel), launch.
+/// policy::cuda's attend after validation: device-pointer checks, kernel choice (choose_kernel; decode shapes on the
+/// automatic kernel go to cuda.decode, decode_takes), launch.
 /// Asynchronous: an error of the kernels themselves shows at the next synchronisation of the stream. `mask` is a
 /// band, or a block-sparse mask whose arrays are already in device memory.
 template <class T, class Mask>
@@ -316,6 +318,8 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
   std::string why;
   if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return st;
   if (status st = attend_empty(p, o, lse, mods_of(mask), stream, empty); !st || empty) return st;
+  if constexpr (std::is_same_v<Mask, band_mask>)
+    if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask, lse);
   if (flash) return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
   return naive_attention(p, q, k, v, o, mask, lse, stream);
 }

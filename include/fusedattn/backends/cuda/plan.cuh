@@ -39,6 +39,14 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
     plan.why = "seq_kv is 0: every row sees no key, so one fill kernel sets O to 0 and lse to -inf";
     return plan;
   }
+  if (decode_takes(pol, p, q, k, v, o, mask)) {
+    int splits = 1;
+    if (status st = decode_plan_splits<T>(p, p.seq_kv, splits); !st) return refused_plan(st);
+    plan.kernel = "cuda.decode";
+    plan.scratch_bytes = decode_scratch_bytes(splits, p);
+    plan.fused = true;
+    return plan;
+  }
   if (!flash) {
     const std::size_t naive = naive_scratch_bytes<T>(p);
     plan.kernel = "cuda.naive";
@@ -74,7 +82,7 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
 namespace detail {
 
 /// fa::plan for policy::cuda (dispatch/plan.hpp calls it after validating the call as attend does): the kernel
-/// attend() would run — "cuda.flash_hopper", "cuda.flash_mma_sync", "cuda.flash_split_kv" (either flash kernel with
+/// attend() would run — "cuda.decode" (decode_takes: GQA decode shapes), "cuda.flash_hopper", "cuda.flash_mma_sync", "cuda.flash_split_kv" (either flash kernel with
 /// the keys split over blocks and the parts merged), "cuda.naive"; "cuda.none" (a zero batch, heads or seq_q: nothing
 /// runs) or "cuda.no_keys" (seq_kv = 0: O = 0, lse = −inf) — its device scratch bytes (split-KV parts; the naive
 /// pipeline's packed copies, S and P; a host block-sparse layout's device copy), and `why` for the naive pipeline.

@@ -1,0 +1,388 @@
+// Serving on CUDA (cuda.decode): attend_paged against a paged cache (pages of 16 and 64 tokens, both layouts,
+// shuffled block tables, unowned pool slots holding NaN), attend_ragged (decode over mixed lengths including 0 and 1,
+// and prefill sequence by sequence), plain attend on decode shapes (fa::plan names cuda.decode), GQA 32/8, 8/8 and
+// 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; the NaN contract on a masked key;
+// bad tables and offsets refused with nothing written.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
+
+#include "serving_entry.hpp"
+#include "support/data.hpp"
+#include "support/oracle.hpp"
+
+using namespace fusedattn;
+using namespace fusedattn::testing;
+using fusedattn::testing::gpu::serving_mask;
+
+namespace {
+
+bool have_device() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    WARN("skipped: no usable CUDA device");
+    return false;
+  }
+  return true;
+}
+
+/// A device copy of a host vector (copied back on request).
+template <class T>
+struct dev {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit dev(const std::vector<T>& h) : n(h.size()) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<std::size_t>(n, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+    if (ptr != nullptr && n > 0) cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  dev(const dev&) = delete;
+  dev& operator=(const dev&) = delete;
+  ~dev() { cudaFree(ptr); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    if (n > 0) cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+std::string mask_label(const serving_mask& m) {
+  return std::visit([](const auto& x) { return std::string(mask_name(x)); }, m);
+}
+
+/// Checks rows of O (a (heads, rows, d) block at `o`) and their lse against the oracle on (q, k, v) of one sequence:
+/// error within the tolerance a plain same-precision implementation gives.
+template <class T>
+void check_sequence(const problem& pb, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                    const tensor_ref<const T>& v, const serving_mask& mask, const T* o, index_t o_row_stride,
+                    index_t o_head_stride, const float* lse, index_t lse_head_stride) {
+  const band_mask bound = std::visit([&](const auto& m) { return bind(m, pb); }, mask);
+  const reference ref = reference_attention<double>(pb, q, k, v, bound);
+  const reference plain = reference_attention<accum_t<T>>(pb, q, k, v, bound);
+  double plain_err = 0, err = 0, lse_err = 0;
+  for (index_t h = 0; h < pb.heads; ++h)
+    for (index_t i = 0; i < pb.seq_q; ++i) {
+      const std::size_t row = static_cast<std::size_t>(h * pb.seq_q + i);
+      for (index_t c = 0; c < pb.head_dim; ++c) {
+        const double want = ref.o[row * std::size_t(pb.head_dim) + std::size_t(c)];
+        plain_err = std::max(plain_err, std::abs(double(T(float(plain.o[row * std::size_t(pb.head_dim) + std::size_t(c)]))) - want));
+        const double got = double(float(o[h * o_head_stride + i * o_row_stride + c]));
+        err = std::max(err, std::isnan(got) ? std::numeric_limits<double>::infinity() : std::abs(got - want));
+      }
+      const double l = lse[h * lse_head_stride + i], lw = ref.lse[row];
+      if (std::isinf(lw)) lse_err = std::max(lse_err, l == lw ? 0.0 : std::numeric_limits<double>::infinity());
+      else lse_err = std::max(lse_err, std::isnan(l) ? std::numeric_limits<double>::infinity() : std::abs(l - lw));
+    }
+  INFO("error " << err << " plain " << plain_err << " lse error " << lse_err);
+  CHECK(err <= output_tolerance<T>(plain_err));
+  CHECK(lse_err <= 1e-3);
+}
+
+/// A paged cache of sequences of lengths `lens`, pages in shuffled order, every slot no sequence owns NaN.
+template <class T>
+struct paged_case {
+  problem p;
+  index_t page_size;
+  page_layout layout;
+  std::vector<std::int32_t> lens, table;
+  index_t blocks_per_seq = 0, pages = 0;
+  std::vector<T> k, v, q;
+
+  paged_case(problem pr, index_t ps, page_layout l, std::vector<std::int32_t> seq_lens, std::mt19937_64& rng)
+      : p(pr), page_size(ps), layout(l), lens(std::move(seq_lens)) {
+    index_t longest = 1;
+    for (auto x : lens) longest = std::max<index_t>(longest, x);
+    p.batch = static_cast<index_t>(lens.size());
+    p.seq_kv = longest;
+    blocks_per_seq = (longest + ps - 1) / ps + 1;
+    pages = p.batch * blocks_per_seq + 3;
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(pages));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table.assign(ids.begin(), ids.begin() + p.batch * blocks_per_seq);
+    const auto pool = static_cast<std::size_t>(pages * ps * p.heads_kv * p.head_dim);
+    k.assign(pool, T(std::numeric_limits<float>::quiet_NaN()));
+    v.assign(pool, T(std::numeric_limits<float>::quiet_NaN()));
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (index_t b = 0; b < p.batch; ++b)
+      for (index_t h = 0; h < p.heads_kv; ++h)
+        for (index_t j = 0; j < lens[std::size_t(b)]; ++j)
+          for (index_t c = 0; c < p.head_dim; ++c) {
+            k[std::size_t(at(b, h, j) + c)] = T(float(u(rng)));
+            v[std::size_t(at(b, h, j) + c)] = T(float(u(rng)));
+          }
+    q.resize(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim));
+    for (auto& x : q) x = T(float(u(rng)));
+  }
+  index_t at(index_t b, index_t h, index_t j) const {
+    const page_strides st = page_strides_of(layout, page_size, p.heads_kv, p.head_dim);
+    return table[std::size_t(b * blocks_per_seq + j / page_size)] * st.page + h * st.head + (j % page_size) * st.token;
+  }
+  std::vector<T> gather(const std::vector<T>& pool, index_t b) const {
+    const index_t len = lens[std::size_t(b)];
+    std::vector<T> out(static_cast<std::size_t>(p.heads_kv * len * p.head_dim));
+    for (index_t h = 0; h < p.heads_kv; ++h)
+      for (index_t j = 0; j < len; ++j)
+        for (index_t c = 0; c < p.head_dim; ++c)
+          out[std::size_t((h * len + j) * p.head_dim + c)] = pool[std::size_t(at(b, h, j) + c)];
+    return out;
+  }
+};
+
+template <class T>
+void run_paged(const problem& shape, index_t page_size, page_layout layout, const std::vector<std::int32_t>& lens,
+               const serving_mask& mask) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  paged_case<T> c(shape, page_size, layout, lens, rng);
+  const problem& p = c.p;
+  INFO(scalar_name<T>() << " h=" << p.heads << " h_kv=" << p.heads_kv << " s_q=" << p.seq_q << " d=" << p.head_dim
+                        << " page " << page_size << (layout == page_layout::hnd ? " hnd " : " nhd ") << mask_label(mask)
+                        << " seed=" << seed);
+  dev<T> dk(c.k), dv(c.v), dq(c.q), d_o(std::vector<T>(c.q.size(), T(7.0f)));
+  dev<std::int32_t> dt(c.table), dl(c.lens);
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  REQUIRE((dk.ptr && dv.ptr && dq.ptr && d_o.ptr && dt.ptr && dl.ptr && dlse.ptr));
+  const paged_kv<const T> kv =
+      paged<const T>(dk.ptr, dv.ptr, c.pages, page_size, p.heads_kv, p.head_dim, layout, dt.ptr, c.blocks_per_seq, dl.ptr);
+  const status st = gpu::attend_paged_cuda<T>(p, bhsd<const T>(dq.ptr, p.q_dims()), kv, bhsd(d_o.ptr, p.o_dims()),
+                                              mask, dlse.ptr);
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const std::vector<T> o = d_o.get();
+  const std::vector<float> lse = dlse.get();
+  const index_t rows = p.heads * p.seq_q * p.head_dim;
+  for (index_t b = 0; b < p.batch; ++b) {
+    const index_t len = c.lens[std::size_t(b)];
+    INFO("sequence " << b << " of " << len << " keys");
+    problem pb = p;
+    pb.batch = 1;
+    pb.seq_kv = len;
+    const std::vector<T> kb = c.gather(c.k, b), vb = c.gather(c.v, b);
+    check_sequence<T>(pb, bhsd<const T>(c.q.data() + b * rows, pb.q_dims()), bhsd<const T>(kb.data(), pb.kv_dims()),
+                      bhsd<const T>(vb.data(), pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
+                      p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda paged decode matches the float64 oracle", "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  const std::vector<std::int32_t> lens = {1, 17, 300, 0, 1000, 64};
+  for (index_t page : {16, 64})
+    for (page_layout layout : {page_layout::hnd, page_layout::nhd})
+      for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}},
+                                       serving_mask{window{100, 0, align::bottom_right}}})
+        run_paged<TestType>({1, 32, 8, 1, 1, 128}, page, layout, lens, mask);
+  // Speculative decode (3 rows per sequence, 12 rows per kv head), GQA 8/8 and 8/1, head_dim 64 and 256, page 8, 24, 256.
+  run_paged<TestType>({1, 32, 8, 3, 1, 128}, 16, page_layout::nhd, {5, 700, 2, 129}, causal{align::bottom_right});
+  run_paged<TestType>({1, 8, 8, 1, 1, 64}, 8, page_layout::hnd, {33, 1, 250}, dense{});
+  run_paged<TestType>({1, 8, 1, 2, 1, 256}, 24, page_layout::nhd, {71, 400}, causal{align::bottom_right});
+  run_paged<TestType>({1, 16, 4, 4, 1, 64}, 256, page_layout::hnd, {1000, 3}, window{20, 0, align::bottom_right});
+  // One long sequence: the keys split over many blocks and merged.
+  run_paged<TestType>({1, 32, 8, 1, 1, 128}, 64, page_layout::nhd, {20000}, causal{align::bottom_right});
+}
+
+TEMPLATE_TEST_CASE("cuda ragged batches match the float64 oracle", "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  struct shape {
+    std::vector<std::int32_t> nq, nk;
+    index_t heads, heads_kv, d;
+  };
+  const std::vector<shape> shapes = {
+      {{1, 1, 1, 1, 1}, {0, 1, 37, 512, 129}, 32, 8, 128},  // decode, one launch
+      {{2, 2, 2}, {5, 300, 2}, 16, 2, 64},                  // speculative decode, 16 rows per kv head
+      {{3, 0, 50, 1}, {3, 5, 50, 70}, 8, 2, 128},           // prefill, sequence by sequence
+  };
+  for (const shape& s : shapes)
+    for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}}}) {
+      const std::uint64_t seed = fresh_seed();
+      std::mt19937_64 rng(seed);
+      const index_t n = static_cast<index_t>(s.nq.size());
+      std::vector<std::int32_t> cu_q(std::size_t(n + 1), 0), cu_kv(std::size_t(n + 1), 0);
+      for (index_t b = 0; b < n; ++b) {
+        cu_q[std::size_t(b + 1)] = cu_q[std::size_t(b)] + s.nq[std::size_t(b)];
+        cu_kv[std::size_t(b + 1)] = cu_kv[std::size_t(b)] + s.nk[std::size_t(b)];
+      }
+      const problem p{1, s.heads, s.heads_kv, cu_q.back(), cu_kv.back(), s.d};
+      INFO(scalar_name<T>() << " sequences " << n << " " << mask_label(mask) << " seed=" << seed);
+      std::uniform_real_distribution<double> u(-1.0, 1.0);
+      auto fill = [&](index_t count) {
+        std::vector<T> x(static_cast<std::size_t>(count));
+        for (auto& e : x) e = T(float(u(rng)));
+        return x;
+      };
+      const std::vector<T> q = fill(p.seq_q * p.heads * p.head_dim), k = fill(p.seq_kv * p.heads_kv * p.head_dim),
+                           v = fill(p.seq_kv * p.heads_kv * p.head_dim);
+      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+      dev<std::int32_t> dcq(cu_q), dck(cu_kv);
+      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+      const status st = gpu::attend_ragged_cuda<T>(
+          p, ragged_batch{n, dcq.ptr, dck.ptr}, bshd<const T>(dq.ptr, p.q_dims()), bshd<const T>(dk.ptr, p.kv_dims()),
+          bshd<const T>(dv.ptr, p.kv_dims()), bshd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+      INFO(st.what());
+      REQUIRE(st.ok());
+      const std::vector<T> o = d_o.get();
+      const std::vector<float> lse = dlse.get();
+      for (index_t b = 0; b < n; ++b) {
+        const index_t q0 = cu_q[std::size_t(b)], nq = s.nq[std::size_t(b)], k0 = cu_kv[std::size_t(b)],
+                      nk = s.nk[std::size_t(b)];
+        if (nq == 0) continue;
+        INFO("sequence " << b << ": " << nq << " rows, " << nk << " keys");
+        problem pb = p;
+        pb.seq_q = nq;
+        pb.seq_kv = nk;
+        const tensor_ref<const T> qa = bshd<const T>(q.data(), p.q_dims()), ka = bshd<const T>(k.data(), p.kv_dims()),
+                                  va = bshd<const T>(v.data(), p.kv_dims());
+        const tensor_ref<const T> qb{qa.row(0, 0, q0), pb.q_dims(), qa.stride};
+        const tensor_ref<const T> kb{nk > 0 ? ka.row(0, 0, k0) : k.data(), pb.kv_dims(), ka.stride};
+        const tensor_ref<const T> vb{nk > 0 ? va.row(0, 0, k0) : v.data(), pb.kv_dims(), va.stride};
+        check_sequence<T>(pb, qb, kb, vb, mask, o.data() + q0 * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim,
+                          lse.data() + q0, p.seq_q);
+      }
+    }
+}
+
+TEMPLATE_TEST_CASE("cuda attend on decode shapes runs cuda.decode", "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  for (const problem& p : {problem{2, 32, 8, 1, 3001, 128}, problem{3, 16, 4, 4, 77, 64}, problem{1, 8, 8, 1, 9000, 256},
+                           problem{1, 4, 4, 16, 200, 128}})
+    for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}},
+                                     serving_mask{causal{align::top_left}}, serving_mask{window{30, 2, align::bottom_right}}}) {
+      const std::uint64_t seed = fresh_seed();
+      std::mt19937_64 rng(seed);
+      INFO(scalar_name<T>() << " b=" << p.batch << " h=" << p.heads << " h_kv=" << p.heads_kv << " s_q=" << p.seq_q
+                            << " s_kv=" << p.seq_kv << " d=" << p.head_dim << " " << mask_label(mask) << " seed=" << seed);
+      std::uniform_real_distribution<double> u(-1.0, 1.0);
+      auto fill = [&](index_t count) {
+        std::vector<T> x(static_cast<std::size_t>(count));
+        for (auto& e : x) e = T(float(u(rng)));
+        return x;
+      };
+      const std::vector<T> q = fill(p.batch * p.heads * p.seq_q * p.head_dim),
+                           k = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim),
+                           v = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim);
+      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+      const auto qv = bhsd<const T>(dq.ptr, p.q_dims()), kv = bhsd<const T>(dk.ptr, p.kv_dims()),
+                 vv = bhsd<const T>(dv.ptr, p.kv_dims());
+      const kernel_plan pl = gpu::plan_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+      INFO(pl.st.what());
+      REQUIRE(pl.st.ok());
+      CHECK(pl.kernel == "cuda.decode");
+      const status st = gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+      INFO(st.what());
+      REQUIRE(st.ok());
+      const std::vector<T> o = d_o.get();
+      const std::vector<float> lse = dlse.get();
+      const index_t rows = p.heads * p.seq_q * p.head_dim, keys = p.heads_kv * p.seq_kv * p.head_dim;
+      for (index_t b = 0; b < p.batch; ++b) {
+        problem pb = p;
+        pb.batch = 1;
+        check_sequence<T>(pb, bhsd<const T>(q.data() + b * rows, pb.q_dims()), bhsd<const T>(k.data() + b * keys, pb.kv_dims()),
+                          bhsd<const T>(v.data() + b * keys, pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
+                          p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
+      }
+    }
+}
+
+TEST_CASE("cuda decode keeps a masked key's inf and NaN out of the rows that do not see it", "[gpu][serving]") {
+  if (!have_device()) return;
+  using T = Eigen::bfloat16;
+  // 4 rows per sequence, bottom-right causal: the last key is seen by row 3 only; its V holds inf, its K NaN.
+  const problem p{1, 8, 2, 4, 500, 128};
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> q(std::size_t(p.heads * p.seq_q * p.head_dim)), k(std::size_t(p.heads_kv * p.seq_kv * p.head_dim)), v(k.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = T(float(u(rng)));
+  for (index_t h = 0; h < p.heads_kv; ++h)
+    for (index_t c = 0; c < p.head_dim; ++c) {
+      v[std::size_t((h * p.seq_kv + p.seq_kv - 1) * p.head_dim + c)] = T(std::numeric_limits<float>::infinity());
+      k[std::size_t((h * p.seq_kv + p.seq_kv - 1) * p.head_dim + c)] = T(std::numeric_limits<float>::quiet_NaN());
+    }
+  dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  REQUIRE(gpu::attend_decode_cuda<T>(p, bhsd<const T>(dq.ptr, p.q_dims()), bhsd<const T>(dk.ptr, p.kv_dims()),
+                                     bhsd<const T>(dv.ptr, p.kv_dims()), bhsd(d_o.ptr, p.o_dims()),
+                                     causal{align::bottom_right}, dlse.ptr)
+              .ok());
+  const std::vector<T> o = d_o.get();
+  const std::vector<float> lse = dlse.get();
+  for (index_t h = 0; h < p.heads; ++h) {
+    for (index_t i = 0; i < 3; ++i) {
+      CHECK(std::isfinite(lse[std::size_t(h * p.seq_q + i)]));
+      for (index_t c = 0; c < p.head_dim; ++c) CHECK(std::isfinite(float(o[std::size_t((h * p.seq_q + i) * p.head_dim + c)])));
+    }
+    CHECK(std::isnan(lse[std::size_t(h * p.seq_q + 3)]));  // row 3 sees the NaN logit
+    CHECK(std::isnan(float(o[std::size_t((h * p.seq_q + 3) * p.head_dim)])));
+  }
+}
+
+TEST_CASE("cuda serving calls refuse bad tables and offsets with nothing written", "[gpu][serving]") {
+  if (!have_device()) return;
+  using T = Eigen::half;
+  std::mt19937_64 rng(fresh_seed());
+  paged_case<T> c({1, 8, 2, 1, 1, 64}, 16, page_layout::nhd, {40, 7}, rng);
+  const problem& p = c.p;
+  const std::vector<T> sentinel(c.q.size(), T(7.0f));
+  dev<T> dk(c.k), dv(c.v), dq(c.q), d_o(sentinel);
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  auto call = [&](std::vector<std::int32_t> table, std::vector<std::int32_t> lens) {
+    dev<std::int32_t> dt(table), dl(lens);
+    const paged_kv<const T> kv = paged<const T>(dk.ptr, dv.ptr, c.pages, 16, p.heads_kv, p.head_dim, page_layout::nhd,
+                                                dt.ptr, c.blocks_per_seq, dl.ptr);
+    return gpu::attend_paged_cuda<T>(p, bhsd<const T>(dq.ptr, p.q_dims()), kv, bhsd(d_o.ptr, p.o_dims()), dense{}, dlse.ptr);
+  };
+  auto untouched = [&] {
+    const std::vector<T> o = d_o.get();
+    const std::vector<float> lse = dlse.get();
+    CHECK(std::all_of(o.begin(), o.end(), [](T x) { return float(x) == 7.0f; }));
+    CHECK(std::all_of(lse.begin(), lse.end(), [](float x) { return x == 123.0f; }));
+  };
+  {  // a page id out of range
+    std::vector<std::int32_t> table = c.table;
+    table[1] = std::int32_t(c.pages);
+    const status st = call(table, c.lens);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("kv.block_table[0][1]") != std::string::npos);
+    untouched();
+  }
+  {  // a length beyond the sequence's pages
+    std::vector<std::int32_t> lens = c.lens;
+    lens[1] = std::int32_t(c.blocks_per_seq * 16 + 1);
+    const status st = call(c.table, lens);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("kv.seq_lens[1]") != std::string::npos);
+    untouched();
+  }
+  {  // a host block table
+    const paged_kv<const T> kv = paged<const T>(dk.ptr, dv.ptr, c.pages, 16, p.heads_kv, p.head_dim, page_layout::nhd,
+                                                c.table.data(), c.blocks_per_seq, c.lens.data());
+    const status st = gpu::attend_paged_cuda<T>(p, bhsd<const T>(dq.ptr, p.q_dims()), kv, bhsd(d_o.ptr, p.o_dims()),
+                                                dense{}, dlse.ptr);
+    CHECK(st.code() == errc::invalid_argument);
+    untouched();
+  }
+  {  // non-monotonic cu_seqlens
+    const problem pr{1, 8, 2, 3, 40, 64};
+    dev<std::int32_t> cq(std::vector<std::int32_t>{0, 1, 2, 3}), ck(std::vector<std::int32_t>{0, 30, 20, 40});
+    const status st = gpu::attend_ragged_cuda<T>(pr, ragged_batch{3, cq.ptr, ck.ptr}, bshd<const T>(dq.ptr, pr.q_dims()),
+                                                 bshd<const T>(dk.ptr, pr.kv_dims()), bshd<const T>(dv.ptr, pr.kv_dims()),
+                                                 bshd(d_o.ptr, pr.o_dims()), dense{}, dlse.ptr);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("ragged.cu_seqlens_kv[2]") != std::string::npos);
+    untouched();
+  }
+}
