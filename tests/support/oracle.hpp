@@ -18,17 +18,16 @@ struct reference {
   std::vector<double> lse;
 };
 
-namespace detail {
-/// The score modifiers a bound mask carries (none for a mask type without them).
+/// The score modifiers a bound mask carries (none for a mask type without them). Not in a `detail` namespace: tests
+/// that use both fusedattn and fusedattn::testing name fusedattn::detail unqualified.
 template <class Mask>
-auto mods_or_none(const Mask& m, int) -> decltype(bound_mods(mods_of(m))) {
+auto oracle_mods(const Mask& m, int) -> decltype(bound_mods(mods_of(m))) {
   return mods_of(m);
 }
 template <class Mask>
-bound_mods mods_or_none(const Mask&, long) {
+bound_mods oracle_mods(const Mask&, long) {
   return {};
 }
-}  // namespace detail
 
 /// softmax(s'_ij restricted to allowed(i, j), plus the sink logit in the denominator) · v, every sum in double,
 /// with s'_ij = mods.apply(scale · q_i·k_j, h, i, j) (= scale · q_i·k_j without modifiers). A row with no allowed key
@@ -55,7 +54,7 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
       const index_t i = row % p.seq_q, h = row / p.seq_q % p.heads, b = row / p.seq_q / p.heads;
       const index_t g = p.kv_head(h);
       const auto head_mask = for_head(mask, b, h);
-      const bound_mods mods = detail::mods_or_none(head_mask, 0);
+      const bound_mods mods = oracle_mods(head_mask, 0);
       const Acc sink = mods.sink<Acc>(h);
       Acc m = sink;
       for (index_t j = 0; j < p.seq_kv; ++j) {

@@ -57,7 +57,7 @@ reference_grads closed_form(const problem& p, const tensor_ref<const T>& q, cons
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (index_t h = gk * p.group_size(); h < (gk + 1) * p.group_size(); ++h) {
         const auto head_mask = for_head(mask, b, h);
-        const bound_mods mods = mods_or_none(head_mask, 0);
+        const bound_mods mods = oracle_mods(head_mask, 0);
         const Acc sink = mods.sink<Acc>(h);
         for (index_t i = 0; i < p.seq_q; ++i) {
           const T* qi = q.row(b, h, i);
