@@ -402,7 +402,8 @@ R with_decode_tile(index_t head_dim, index_t rows, R otherwise, F&& f) {
 }
 
 /// ok when the decode kernel takes a call of storage type T: f16 or bf16, head_dim 64, 128 or 256, at most
-/// decode_max_rows rows per kv head, compute capability 8.0 or newer; else errc::unsupported saying why.
+/// decode_max_rows rows per kv head, compute capability 8.0 or newer, the tile's shared memory available; else
+/// errc::unsupported saying why.
 template <class T>
 status decode_applies(const problem& p) {
   using E = device_t<T>;
@@ -422,6 +423,17 @@ status decode_applies(const problem& p) {
     return {errc::unsupported, "cuda.decode: the device cannot be asked for its compute capability"};
   }
   if (major < 8) return {errc::unsupported, "cuda.decode needs compute capability 8.0 or newer"};
+  int smem_optin = 0;
+  if (cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return {errc::unsupported, "cuda.decode: the device cannot be asked for its shared memory"};
+  }
+  const std::size_t needed = with_decode_tile(p.head_dim, p.group_size() * p.seq_q, std::size_t(0), [](auto tile) {
+    return decltype(tile)::template smem_bytes<E>();
+  });
+  if (needed > std::size_t(smem_optin))
+    return {errc::unsupported, "cuda.decode needs " + std::to_string(needed) + " bytes of shared memory a block; this device offers " +
+                                   std::to_string(smem_optin)};
   return {};
 }
 
