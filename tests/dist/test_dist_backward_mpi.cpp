@@ -178,7 +178,7 @@ std::vector<fa::problem> shapes(int ranks) {
   return {
       {1, 1, 1, u, u, 1},              // one row per chunk
       {2, 3, 3, u * 21, u * 21, 64},   // chunks of 21 rows: no tile boundary lines up
-      {1, 4, 2, u * 40, u * 40, 80},   // GQA
+      {1, 4, 2, u * 17, u * 17, 80},   // GQA
       {1, 4, 1, u * 9, u * 9, 3},      // MQA, tiny head_dim
       {1, 2, 2, u * 5, u * 67, 96},    // seq_q != seq_kv (dense only)
   };
