@@ -93,7 +93,7 @@ mkdir -p build/ci-fuzz/corpus build/ci-fuzz/artifacts
 UBSAN_OPTIONS=print_stacktrace=1 \
   ./build/ci-fuzz/tests/fuzz/fuzz_attend -max_total_time="${FUZZ_SECONDS:-60}" -timeout=20 -rss_limit_mb=4096 \
   -artifact_prefix=build/ci-fuzz/artifacts/ -print_final_stats=1 build/ci-fuzz/corpus tests/fuzz/corpus
-# 6. fusedattn/dist over Open MPI: the sharded-attention tests under mpirun -np 1, 2 and 3 (--oversubscribe, and
+# 6. fusedattn/dist over Open MPI: the sharded-attention tests (forward and backward) under mpirun -np 1, 2 and 3 (--oversubscribe, and
 #    --allow-run-as-root for CI's root user; one OpenMP thread per rank), then example 13 on 2 ranks.
 stage "[6] MPI: fusedattn/dist tests and example 13 under mpirun"
 cmake -S . -B build/ci-mpi -DCMAKE_BUILD_TYPE=Release -DFUSEDATTN_WITH_MPI=ON -DFUSEDATTN_WITH_CUDA=OFF \
