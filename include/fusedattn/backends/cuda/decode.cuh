@@ -302,15 +302,29 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
       }
       // A tile with a masked key inside the range: some P are 0 only by the mask.
       const bool masked_inside = !(k0 - (p.seq_q - 1) >= lo && (k0 + BN - 1 < ke ? k0 + BN - 1 : ke - 1) <= hi);
-      for (int j = pv_slice; j < BN; j += NS) {
-        float vx[8];
-        widen8<E>(*reinterpret_cast<const uint4*>(vs + j * PITCH + pv_chunk * 8), vx);
+      if (!masked_inside) {
+#pragma unroll 2
+        for (int j = pv_slice; j < BN; j += NS) {
+          float vx[8];
+          widen8<E>(*reinterpret_cast<const uint4*>(vs + j * PITCH + pv_chunk * 8), vx);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float pr = s_s[r * SP + j];
-          if (masked_inside && pr == 0.f) continue;
+          for (int r = 0; r < R; ++r) {
+            const float pr = s_s[r * SP + j];
 #pragma unroll
-          for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(pr, vx[c], acc[r][c]);
+            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(pr, vx[c], acc[r][c]);
+          }
+        }
+      } else {
+        for (int j = pv_slice; j < BN; j += NS) {
+          float vx[8];
+          widen8<E>(*reinterpret_cast<const uint4*>(vs + j * PITCH + pv_chunk * 8), vx);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float pr = s_s[r * SP + j];
+            if (pr == 0.f) continue;  // masked for this row: its V may hold inf or NaN
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(pr, vx[c], acc[r][c]);
+          }
         }
       }
     }
