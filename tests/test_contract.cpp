@@ -18,7 +18,8 @@ using namespace fusedattn::testing;
 
 namespace {
 
-/// Every CPU kernel of this binary: naive, scalar flash, and flash on each SIMD arch compiled in.
+/// Every CPU kernel of this binary: naive, scalar flash, flash on each SIMD arch compiled in and on fusedattn's own
+/// x86 kernel sets (cpu::avx512bf16: vdpbf16ps for bf16, the AVX-512 f32 kernels otherwise).
 using contract_policies = std::tuple<policy::cpu_naive, policy::cpu_scalar
 #if XSIMD_WITH_SSE4_2
                                      ,
@@ -35,6 +36,10 @@ using contract_policies = std::tuple<policy::cpu_naive, policy::cpu_scalar
 #if XSIMD_WITH_NEON64
                                      ,
                                      policy::cpu_neon
+#endif
+#if FUSEDATTN_X86_KERNELS
+                                     ,
+                                     policy::cpu_avx512bf16  // fusedattn's own AVX-512 sets, run-time checked
 #endif
                                      >;
 
