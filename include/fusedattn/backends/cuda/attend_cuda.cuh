@@ -114,16 +114,29 @@ inline status layout_to_device(const block_sparse_mask& host, scratch_arena& are
 
 /// The flash instantiation a call runs: the mma.sync kernel (its default tile for head_dim), or one of the Hopper
 /// kernel's tiles. choose_flash_route picks it; run_flash launches it and plan_run (plan.cuh) describes it.
-enum class flash_route { mma_sync, hopper_turns_64, hopper_whole_row_64, hopper_64, hopper_128, hopper_96, hopper_256 };
+enum class flash_route {
+  mma_sync,
+  hopper_turns_64,
+  hopper_whole_row_64,
+  hopper_64,
+  hopper_128,
+  hopper_padded_128,  ///< head_dim 72–120 on the 128 tile (columns past head_dim read as zeros)
+  hopper_256,
+  hopper_padded_256   ///< head_dim 136–248 on the 256 tile
+};
 
 /// The flash route of a call flash_applies accepted: a Hopper tile where hopper_flash_ready says yes (unless
-/// `portable`) and the tile fits the mask, else mma_sync (every other head_dim, on its padded tile). A call with
-/// score modifiers at head_dim 64 takes the default Hopper tile (the turns and whole-row tiles have no instantiation
-/// with modifiers). Errors only when the device cannot be asked.
+/// `portable`) and the tile fits the mask, else mma_sync (head_dim below 64, and any call whose mask the Hopper tile
+/// does not fit, on its padded tile). head_dim 64, 128 and 256 take their own tiles; every other multiple of 8 above
+/// 64 takes the next tile up (hopper_padded_128, hopper_padded_256), whose tensor maps read the columns past
+/// head_dim as zeros (launch_flash_hopper): the tensor cores then do up to 128/72 or 256/136 of the work and still
+/// run it faster than the portable kernel. A call with score modifiers at head_dim 64 takes the default Hopper tile
+/// (the turns and whole-row tiles have no instantiation with modifiers). Errors only when the device cannot be
+/// asked.
 template <class Mask>
 status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t stream, bool portable, flash_route& route) {
   route = flash_route::mma_sync;
-  const bool hopper_head_dim = p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == 256;
+  const bool hopper_head_dim = p.head_dim >= 64 && p.head_dim <= 256 && p.head_dim % 8 == 0;
   if (portable || !hopper_head_dim || !hopper_flash_ready(stream)) return {};
   if (p.head_dim == 64 && mods_of(mask).any()) {
     route = flash_route::hopper_64;
@@ -139,13 +152,13 @@ status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t strea
   }
   using tile128 = typename hopper_default_tile<128>::type;
   using tile256 = typename hopper_default_tile<256>::type;
+  // head_dim 128 keeps the Hopper tile whatever the mask (flash_fits_mask already asked for its 128-row q-tile).
   if (p.head_dim == 128) route = flash_route::hopper_128;
-  // head_dim 96 on the 128 tile: its tensor maps read columns 96–127 as zeros (launch_flash_hopper), so the
-  // tensor cores do 4/3 of the work, and still run it faster than the portable kernel does.
-  if (p.head_dim == 96 && hopper_fits_mask(mask, tile128::block_m)) route = flash_route::hopper_96;
-  // head_dim 256: the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64); a
+  else if (p.head_dim < 128 && hopper_fits_mask(mask, tile128::block_m)) route = flash_route::hopper_padded_128;
+  // Above 128 the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64): a
   // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
-  if (p.head_dim == 256 && hopper_fits_mask(mask, tile256::block_m)) route = flash_route::hopper_256;
+  else if (p.head_dim > 128 && hopper_fits_mask(mask, tile256::block_m))
+    route = p.head_dim == 256 ? flash_route::hopper_256 : flash_route::hopper_padded_256;
   return {};
 }
 
@@ -158,8 +171,9 @@ R with_route_tile(flash_route route, index_t head_dim, R otherwise, F&& f) {
     case flash_route::hopper_whole_row_64: return f(typename hopper_whole_row_tile<64>::type{}, std::true_type{});
     case flash_route::hopper_64: return f(typename hopper_default_tile<64>::type{}, std::true_type{});
     case flash_route::hopper_128:
-    case flash_route::hopper_96: return f(typename hopper_default_tile<128>::type{}, std::true_type{});
-    case flash_route::hopper_256: return f(typename hopper_default_tile<256>::type{}, std::true_type{});
+    case flash_route::hopper_padded_128: return f(typename hopper_default_tile<128>::type{}, std::true_type{});
+    case flash_route::hopper_256:
+    case flash_route::hopper_padded_256: return f(typename hopper_default_tile<256>::type{}, std::true_type{});
     case flash_route::mma_sync: break;
   }
   return with_default_tile(head_dim, std::move(otherwise), [&](auto tile) { return f(tile, std::false_type{}); });

@@ -1,6 +1,6 @@
 /// @file flash_hopper.cuh
 /// The fused forward kernel on Hopper's warpgroup tensor cores (sm_90a: wgmma.mma_async), f16 and bf16 with f32
-/// accumulation, head_dim 64, 128 and 256 (and 96 on the 128 tile: launch_flash_hopper): the same function, masks,
+/// accumulation, head_dim 64, 128 and 256 (and every other multiple of 8 above 64 on the next tile up: launch_flash_hopper): the same function, masks,
 /// block-sparse walk, GQA, split-KV and lse as the mma.sync kernel of flash.cuh, whose parameters (flash_params_t)
 /// and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
@@ -18,8 +18,8 @@
 /// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
-///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128 (and 96), 256, and 64 where every q-block sees
-///     every key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
+///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128 and 256 and those padded to them, and 64 where
+///     every q-block sees every key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
 ///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer
 ///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
 ///     compute with no block barrier and write O by TMA, items walked by a persistent grid (no mask, block-sparse;
@@ -906,7 +906,7 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
 /// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
 /// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
-/// p.head_dim below the tile's (head_dim 96 on the 128 tile: run_flash) needs the warp-specialised kernel, whose
+/// p.head_dim below the tile's (72–120 on the 128 tile, 136–248 on the 256 tile: choose_flash_route) needs the warp-specialised kernel, whose
 /// copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to Q·Kᵀ and give
 /// P·V columns that the O store (its map stops at p.head_dim) and the merge leave out. `Mods`: the instantiation for
 /// calls with score modifiers.
