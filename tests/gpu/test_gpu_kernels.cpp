@@ -144,8 +144,8 @@ void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& m
   CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
 }
 
-/// Shapes for flash: every tile width (32, 64, 96, 128, 256) and head_dims between them (8, 40, 80, 136, 200: the
-/// next tile, its columns past head_dim zero) with tails of its q-tile (128 rows; 64 at head_dim 256) and key tile
+/// Shapes for flash: every tile width (32, 64, 96, 128, 256) and head_dims between them (8, 40, 72, 80, 120, 136,
+/// 192, 200, 248: the next tile, its columns past head_dim zero; on a Hopper those above 64 take the Hopper tile) with tails of its q-tile (128 rows; 64 at head_dim 256) and key tile
 /// (64 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
 std::vector<problem> flash_shapes() {
   return {
@@ -155,7 +155,8 @@ std::vector<problem> flash_shapes() {
       {1, 1, 1, 1, 1, 32},       {2, 4, 2, 129, 300, 32},  {1, 2, 1, 520, 127, 32},  {1, 2, 2, 7, 7, 96},
       {1, 4, 2, 300, 129, 96},   {2, 2, 1, 128, 513, 96},  {1, 1, 1, 1, 1, 256},     {1, 4, 2, 65, 200, 256},
       {1, 2, 1, 300, 64, 256},   {1, 2, 2, 129, 129, 256},  {1, 2, 2, 65, 130, 8},    {2, 4, 2, 129, 300, 40},
-      {1, 4, 2, 300, 129, 80},   {1, 2, 1, 200, 77, 136},   {1, 2, 2, 70, 150, 200},
+      {1, 4, 2, 300, 129, 80},   {1, 2, 1, 200, 77, 136},   {1, 2, 2, 70, 150, 200},  {2, 2, 2, 129, 65, 72},
+      {1, 4, 2, 7, 1000, 120},   {1, 2, 1, 300, 333, 248},  {1, 4, 1, 1, 2000, 192},
   };
 }
 
@@ -167,7 +168,7 @@ TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eige
   const auto shapes = flash_shapes();
   const auto masks = all_masks();
   const layout layouts[] = {layout::bhsd, layout::bshd};
-  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 27));
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 31));
   const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync);
   REQUIRE(shape_index < shapes.size());
   for (std::size_t m = 0; m < masks.size(); ++m)
