@@ -271,7 +271,8 @@ TEMPLATE_TEST_CASE("cuda flash on padded 16-byte strides leaves the gaps of O al
 TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu][sanitize]") {
   const problem p{1, 2, 1, 70, 131, 64}, p128{1, 2, 2, 65, 97, 128}, decode{1, 2, 1, 1, 1100, 128};
   const problem p32{1, 2, 1, 130, 70, 32}, p96{1, 2, 2, 70, 131, 96}, p256{1, 2, 1, 70, 131, 256},
-      decode256{1, 2, 2, 1, 700, 256}, decode96{1, 2, 2, 1, 900, 96};
+      decode256{1, 2, 2, 1, 700, 256}, decode96{1, 2, 2, 1, 900, 96}, p72{1, 2, 1, 70, 131, 72},
+      p160{1, 2, 2, 65, 97, 160}, decode200{1, 2, 1, 1, 900, 200};
   for (const any_mask& m : all_masks()) {
     check_gpu<Eigen::half>(cuda_kernel::flash, decode, layout::bhsd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p, layout::bhsd, m);
@@ -285,6 +286,10 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode96, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode256, layout::bhsd, m);
+    // head_dim 72 and 160 on the Hopper 128 and 256 tiles (columns past head_dim read as zeros), split-KV at 200.
+    check_gpu<Eigen::half>(cuda_kernel::flash, p72, layout::bhsd, m);
+    check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p160, layout::padded16, m);
+    check_gpu<Eigen::half>(cuda_kernel::flash, decode200, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash_mma_sync, p128, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::naive, p, layout::padded, m);
     check_gpu<double>(cuda_kernel::naive, p128, layout::bhsd, m);
