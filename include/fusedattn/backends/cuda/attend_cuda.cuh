@@ -126,20 +126,28 @@ enum class flash_route {
 };
 
 /// The flash route of a call flash_applies accepted: a Hopper tile where hopper_flash_ready says yes (unless
-/// `portable`) and the tile fits the mask, else mma_sync (head_dim below 64, and any call whose mask the Hopper tile
-/// does not fit, on its padded tile). head_dim 64, 128 and 256 take their own tiles; every other multiple of 8 above
-/// 64 takes the next tile up (hopper_padded_128, hopper_padded_256), whose tensor maps read the columns past
-/// head_dim as zeros (launch_flash_hopper): the tensor cores then do up to 128/72 or 256/136 of the work and still
-/// run it faster than the portable kernel. A call with score modifiers at head_dim 64 takes the default Hopper tile
-/// (the turns and whole-row tiles have no instantiation with modifiers). Errors only when the device cannot be
-/// asked.
+/// `portable`) and the tile fits the mask, else mma_sync (head_dim 32 and below, and any call whose mask the Hopper
+/// tile does not fit, on its padded tile). head_dim 64, 128 and 256 take their own tiles; every other multiple of 8
+/// above 32 takes the next tile up (40–56 the warp-specialised 64 tiles, hopper_padded_128, hopper_padded_256),
+/// whose tensor maps read the columns past head_dim as zeros (launch_flash_hopper): the tensor cores then do up to
+/// 64/40, 128/72 or 256/136 of the work and still run it faster than the portable kernel. A call with score
+/// modifiers at head_dim 64 takes the default Hopper tile, and below 64 the portable kernel (the turns and
+/// whole-row tiles have no instantiation with modifiers). Errors only when the device cannot be asked.
 template <class Mask>
 status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t stream, bool portable, flash_route& route) {
   route = flash_route::mma_sync;
-  const bool hopper_head_dim = p.head_dim >= 64 && p.head_dim <= 256 && p.head_dim % 8 == 0;
+  const bool hopper_head_dim = p.head_dim > 32 && p.head_dim <= 256 && p.head_dim % 8 == 0;
   if (portable || !hopper_head_dim || !hopper_flash_ready(stream)) return {};
   if (p.head_dim == 64 && mods_of(mask).any()) {
     route = flash_route::hopper_64;
+    return {};
+  }
+  if (p.head_dim < 64) {  // only the warp-specialised 64 tiles read Q by tensor map, which pads the columns
+    if (mods_of(mask).any() || !hopper_fits_mask(mask, hopper_whole_row_tile<64>::type::block_m)) return {};
+    int multiprocessors = 0;
+    if (status st = device_multiprocessors(multiprocessors); !st) return st;
+    route = hopper_takes_turns_tile(mask, p.batch, p.heads, p.seq_q, multiprocessors) ? flash_route::hopper_turns_64
+                                                                                     : flash_route::hopper_whole_row_64;
     return {};
   }
   if (p.head_dim == 64) {
