@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "support/backward_check.hpp"
 #include "support/check.hpp"
 #include "support/data.hpp"
 #include "support/oracle.hpp"
@@ -19,57 +20,6 @@ namespace fa = fusedattn;
 using namespace fusedattn::testing;
 
 namespace {
-
-/// Inputs and outputs of one backward call: q, k, v, dO random; O and lse from the forward; dQ, dK, dV filled
-/// with a sentinel pattern.
-template <class T>
-struct backward_case {
-  fa::problem p;
-  operand<T> q, k, v, o, d_o, dq, dk, dv;
-  std::vector<float> lse;
-  backward_case(const fa::problem& pr, layout l, std::mt19937_64& rng)
-      : p(pr), q(pr.q_dims(), l), k(pr.kv_dims(), l), v(pr.kv_dims(), l), o(pr.o_dims(), l), d_o(pr.o_dims(), l),
-        dq(pr.q_dims(), l), dk(pr.kv_dims(), l), dv(pr.kv_dims(), l),
-        lse(static_cast<std::size_t>(pr.lse_size()), 123.0f) {
-    q.fill(rng);
-    k.fill(rng);
-    v.fill(rng);
-    d_o.fill(rng);
-    o.fill(rng, 7.0, 9.0);
-    for (operand<T>* g : {&dq, &dk, &dv}) g->fill(rng, 7.0, 9.0);
-  }
-  /// O and lse by the forward pass (the CPU flash kernel).
-  template <class Mask>
-  void forward(const Mask& mask) {
-    const fa::status st = fa::attend(fa::policy::cpu<>{2}, p, q.cview(), k.cview(), v.cview(), o.view, mask, lse.data());
-    INFO(st.what());
-    REQUIRE(st.ok());
-  }
-  template <class Policy, class Mask>
-  fa::status backward(const Policy& pol, const Mask& mask) {
-    return fa::attend_backward(pol, p, q.cview(), k.cview(), v.cview(), o.cview(), d_o.cview(), lse.data(), dq.view,
-                               dk.view, dv.view, mask);
-  }
-};
-
-double max_magnitude(const std::vector<double>& x) {
-  double m = 0;
-  for (double e : x) m = std::max(m, std::abs(e));
-  return m;
-}
-
-/// FlashAttention's rule per gradient: error <= 2 × the plain same-precision implementation's error against the
-/// float64 oracle, plus a floor of a few units of roundoff of the storage type relative to the gradient's size.
-template <class T>
-void check_gradient(const char* name, const fa::tensor_ref<T>& got, const std::vector<double>& oracle,
-                    const std::vector<double>& plain) {
-  double plain_err = 0;
-  for (std::size_t i = 0; i < oracle.size(); ++i) plain_err = std::max(plain_err, std::abs(plain[i] - oracle[i]));
-  const double tol = 2.0 * plain_err + 8.0 * epsilon<T>() * std::max(1.0, max_magnitude(oracle));
-  const double err = max_abs_error(got, oracle);
-  INFO(name << ": error " << err << " plain error " << plain_err << " tolerance " << tol);
-  CHECK(err <= tol);
-}
 
 /// Runs forward + backward on a fresh random case and checks dQ, dK, dV against the oracle.
 template <class T, class Policy = fa::policy::cpu<>>
@@ -83,17 +33,7 @@ void check_backward(const fa::problem& p, layout l, const fa::any_mask& mask, co
   const fa::status st = c.backward(pol, mask);
   INFO(st.what());
   REQUIRE(st.ok());
-  std::visit(
-      [&](const auto& m) {
-        const auto bound = bind(m, p);
-        const reference_grads ref = reference_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.d_o.cview(), bound);
-        const reference_grads plain =
-            plain_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.cview(), c.d_o.cview(), c.lse.data(), bound);
-        check_gradient("dq", c.dq.view, ref.dq, plain.dq);
-        check_gradient("dk", c.dk.view, ref.dk, plain.dk);
-        check_gradient("dv", c.dv.view, ref.dv, plain.dv);
-      },
-      mask);
+  check_gradients(c, mask, [](const auto&... a) { return plain_backward(a...); });
 }
 
 /// L = Σ O∘dO in double, O by the float64 forward oracle.

@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -16,57 +17,43 @@
 #include <fusedattn/dist/backward.hpp>
 
 #include "mpi_case.hpp"
-#include "support/oracle_backward.hpp"
+#include "support/backward_check.hpp"
 
 namespace fa = fusedattn;
 namespace dist = fusedattn::dist;
 using namespace fusedattn::testing;
 using fusedattn::index_t;
-using fusedattn::scalar_name;
 
 namespace {
 
-constexpr float sentinel = 7.0f;
-
-/// A whole problem built alike on every rank (q, k, v, dO), this rank's shards, O and lse of dist::attend, and the
-/// gradient shards (filled with the sentinel).
+/// sharded_case (q, k, v, their shards; O and lse from dist::attend) with dO and the gradient shards (filled with
+/// the sentinel).
 template <class T>
-struct backward_shards {
-  attention_case<T> whole;
+struct backward_shards : sharded_case<T> {
   operand<T> d_o_whole;
-  std::vector<T> q, k, v, o, d_o, dq, dk, dv;
-  std::vector<float> lse;
-  fa::problem local;
+  std::vector<T> d_o, dq, dk, dv;
   backward_shards(const fa::problem& p, dist::layout l, dist::mpi_comm& comm, std::mt19937_64& rng)
-      : whole(p, layout::bshd, rng),
+      : sharded_case<T>(p, l, comm, rng),
         d_o_whole(p.o_dims(), layout::bshd),
-        q(shard_of(whole.q.cview(), l, comm.size(), comm.rank())),
-        k(shard_of(whole.k.cview(), l, comm.size(), comm.rank())),
-        v(shard_of(whole.v.cview(), l, comm.size(), comm.rank())),
-        o(q.size(), T(sentinel)),
-        dq(q.size(), T(sentinel)),
-        dk(k.size(), T(sentinel)),
-        dv(k.size(), T(sentinel)),
-        lse(static_cast<std::size_t>(p.batch * p.heads * dist::shard_rows(p.seq_q, comm.size())), sentinel),
-        local(p) {
+        dq(this->q.size(), T(sentinel)),
+        dk(this->k.size(), T(sentinel)),
+        dv(this->k.size(), T(sentinel)) {
     d_o_whole.fill(rng);
     d_o = shard_of(d_o_whole.cview(), l, comm.size(), comm.rank());
-    local.seq_q = dist::shard_rows(p.seq_q, comm.size());
-    local.seq_kv = dist::shard_rows(p.seq_kv, comm.size());
   }
   fa::tensor_ref<const T> in(const std::vector<T>& x, const fa::dims4& d) const { return fa::bhsd<const T>(x.data(), d); }
   /// dist::attend for O and lse (the forward this backward belongs to).
   fa::status forward(dist::mpi_comm& comm, const fa::any_mask& mask, const dist::options& opt) {
-    return dist::attend(comm, fa::policy::cpu<>{1}, whole.p, in(q, local.q_dims()), in(k, local.kv_dims()),
-                        in(v, local.kv_dims()), fa::bhsd(o.data(), local.o_dims()), mask, lse.data(), opt);
+    return this->run(comm, mask, opt);
   }
   template <class Policy = fa::policy::cpu<>>
   fa::status backward(dist::mpi_comm& comm, const fa::any_mask& mask, const dist::options& opt,
                       const Policy& pol = Policy{1}) {
-    return dist::attend_backward(comm, pol, whole.p, in(q, local.q_dims()), in(k, local.kv_dims()),
-                                 in(v, local.kv_dims()), in(o, local.o_dims()), in(d_o, local.o_dims()), lse.data(),
-                                 fa::bhsd(dq.data(), local.q_dims()), fa::bhsd(dk.data(), local.kv_dims()),
-                                 fa::bhsd(dv.data(), local.kv_dims()), mask, opt);
+    const fa::problem& lp = this->local;
+    return dist::attend_backward(comm, pol, this->whole.p, in(this->q, lp.q_dims()), in(this->k, lp.kv_dims()),
+                                 in(this->v, lp.kv_dims()), in(this->o, lp.o_dims()), in(d_o, lp.o_dims()),
+                                 this->lse.data(), fa::bhsd(dq.data(), lp.q_dims()), fa::bhsd(dk.data(), lp.kv_dims()),
+                                 fa::bhsd(dv.data(), lp.kv_dims()), mask, opt);
   }
   bool untouched() const {
     for (const std::vector<T>* g : {&dq, &dk, &dv})
@@ -85,60 +72,29 @@ std::vector<double> kv_shard_rows_of(const std::vector<double>& whole, const fa:
   return shard_rows_of(whole, kv, p.head_dim, l, ranks, rank);
 }
 
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double e : x) m = std::max(m, std::abs(e));
-  return m;
-}
-
-double max_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
-}
-
-/// FlashAttention's rule for one gradient shard: error <= 2 × the plain implementation's error over the whole
-/// problem, plus, relative to the gradient's size, a few units of roundoff of T and what the sharding adds: every
-/// rank's part rounded to T before the sum, and P = exp(s − lse) formed from dist::attend's merged float lse
-/// (merge_allowance; it dominates for f64, whose plain error is itself that of a float lse).
+/// FlashAttention's rule for one gradient shard (gradient_tolerance over the whole problem), with what the sharding
+/// adds relative to the gradient's size: every rank's part rounded to T before the sum, and P = exp(s − lse) formed
+/// from dist::attend's merged float lse (merge_allowance; it dominates for f64, whose plain error is itself that of
+/// a float lse).
 template <class T>
 void check_gradient(const char* name, const std::vector<T>& got, const std::vector<double>& oracle_shard,
                     const std::vector<double>& oracle, const std::vector<double>& plain, int ranks,
                     double max_abs_lse) {
-  const double plain_err = max_error(plain, oracle);
-  const double tol = 2.0 * plain_err + (8.0 * epsilon<T>() + merge_allowance<T>(ranks, max_abs_lse)) *
-                                           std::max(1.0, max_abs(oracle));
-  double err = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double x = static_cast<double>(got[i]);
-    err = std::max(err, std::isnan(x) ? std::numeric_limits<double>::infinity() : std::abs(x - oracle_shard[i]));
-  }
-  INFO(name << ": error " << err << " plain error " << plain_err << " tolerance " << tol);
+  const double tol = gradient_tolerance<T>(oracle, plain, merge_allowance<T>(ranks, max_abs_lse));
+  const double err = shard_error(got, oracle_shard);
+  INFO(name << ": error " << err << " plain error " << max_difference(plain, oracle) << " tolerance " << tol);
   CHECK(err <= tol);
 }
 
-/// TransformerEngine's form, |x − y| <= atol + rtol·|y| with atol = rtol = tol: the number of elements outside.
-template <class T>
-int outside(const std::vector<T>& got, const std::vector<double>& ref, double tol) {
-  int bad = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double x = static_cast<double>(got[i]);
-    if (!(std::abs(x - ref[i]) <= tol + tol * std::abs(ref[i]))) ++bad;
-  }
-  return bad;
-}
-
 /// dist::attend then dist::attend_backward on a fresh whole problem; the gradient shards against the oracle, and
-/// (tol > 0, the 16-bit types) against one process's attend_backward on the same inputs.
+/// (the 16-bit types) against one process's attend_backward on the same inputs within TransformerEngine's tolerance.
 template <class T>
-void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask, const dist::options& opt,
-                    double tol = 0) {
+void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
   const std::uint64_t seed = shared_seed(comm);
   std::mt19937_64 rng(seed);
   backward_shards<T> c(p, opt.layout, comm, rng);
   const int n = comm.size(), r = comm.rank();
-  INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << dist::layout_name(opt.layout) << " "
-                        << dist::strategy_name(opt.strategy) << " ranks " << n << " rank " << r << " seed=" << seed);
+  INFO(describe_run<T>(comm, p, mask, opt, seed));
   const fa::status fwd = c.forward(comm, mask, opt);
   INFO(fwd.what());
   REQUIRE(fwd.ok());
@@ -162,54 +118,39 @@ void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_ma
   check_gradient("dq", c.dq, shard_rows_of(ref.dq, p, p.head_dim, l, n, r), ref.dq, plain.dq, n, lse_max);
   check_gradient("dk", c.dk, kv_shard_rows_of(ref.dk, p, l, n, r), ref.dk, plain.dk, n, lse_max);
   check_gradient("dv", c.dv, kv_shard_rows_of(ref.dv, p, l, n, r), ref.dv, plain.dv, n, lse_max);
-  if (tol > 0) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+    constexpr double tol = te_tolerance<T>();
     REQUIRE(fa::attend_backward(fa::policy::cpu<>{1}, p, c.whole.q.cview(), c.whole.k.cview(), c.whole.v.cview(),
                                 o.cview(), c.d_o_whole.cview(), lse.data(), dq.view, dk.view, dv.view, mask)
                 .ok());
     auto as_double = [](const operand<T>& x) { return std::vector<double>(x.buf.begin(), x.buf.end()); };
-    CHECK(outside(c.dq, shard_rows_of(as_double(dq), p, p.head_dim, l, n, r), tol) == 0);
-    CHECK(outside(c.dk, kv_shard_rows_of(as_double(dk), p, l, n, r), tol) == 0);
-    CHECK(outside(c.dv, kv_shard_rows_of(as_double(dv), p, l, n, r), tol) == 0);
+    CHECK(count_outside(c.dq, shard_rows_of(as_double(dq), p, p.head_dim, l, n, r), tol) == 0);
+    CHECK(count_outside(c.dk, kv_shard_rows_of(as_double(dk), p, l, n, r), tol) == 0);
+    CHECK(count_outside(c.dv, kv_shard_rows_of(as_double(dv), p, l, n, r), tol) == 0);
   }
-}
-
-std::vector<fa::problem> shapes(int ranks) {
-  const index_t u = 2 * ranks;  // zigzag unit
-  return {
-      {1, 1, 1, u, u, 1},              // one row per chunk
-      {2, 3, 3, u * 21, u * 21, 64},   // chunks of 21 rows: no tile boundary lines up
-      {1, 4, 2, u * 17, u * 17, 80},   // GQA
-      {1, 4, 1, u * 9, u * 9, 3},      // MQA, tiny head_dim
-      {1, 2, 2, u * 5, u * 67, 96},    // seq_q != seq_kv (dense only)
-  };
 }
 
 }  // namespace
 
 TEST_CASE("dist::attend_backward over MPI: f32 and f64 against the float64 gradient oracle", "[dist][mpi][backward]") {
   dist::mpi_comm comm;
-  for (const fa::problem& p : shapes(comm.size()))
-    for (const fa::any_mask& mask : {fa::any_mask{fa::dense{}}, fa::any_mask{fa::causal{}}})
-      for (dist::layout l : {dist::layout::contiguous, dist::layout::zigzag})
-        for (dist::strategy s : {dist::strategy::ring, dist::strategy::all_gather}) {
-          if (std::holds_alternative<fa::causal>(mask) && p.seq_q != p.seq_kv) continue;
-          const dist::options opt{l, s, {}};
-          against_oracle<float>(comm, p, mask, opt);
-          against_oracle<double>(comm, p, mask, opt);
-        }
+  for_each_run(sharded_shapes(comm.size()), {dist::layout::contiguous, dist::layout::zigzag},
+               {dist::strategy::ring, dist::strategy::all_gather},
+               [&](const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
+                 against_oracle<float>(comm, p, mask, opt);
+                 against_oracle<double>(comm, p, mask, opt);
+               });
 }
 
 TEST_CASE("dist::attend_backward over MPI: bf16 and f16 against the oracle and one process", "[dist][mpi][backward]") {
   dist::mpi_comm comm;
   const index_t u = 2 * comm.size();
-  const std::vector<fa::problem> ps = {{1, 2, 2, u * 24, u * 24, 64}, {1, 4, 2, u * 13, u * 13, 128}};
-  for (const fa::problem& p : ps)
-    for (const fa::any_mask& mask : {fa::any_mask{fa::dense{}}, fa::any_mask{fa::causal{}}})
-      for (dist::strategy s : {dist::strategy::ring, dist::strategy::automatic}) {
-        const dist::options opt{dist::layout::zigzag, s, {}};
-        against_oracle<Eigen::bfloat16>(comm, p, mask, opt, 2.5e-2);
-        against_oracle<Eigen::half>(comm, p, mask, opt, 5e-3);
-      }
+  for_each_run({{1, 2, 2, u * 24, u * 24, 64}, {1, 4, 2, u * 13, u * 13, 128}}, {dist::layout::zigzag},
+               {dist::strategy::ring, dist::strategy::automatic},
+               [&](const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
+                 against_oracle<Eigen::bfloat16>(comm, p, mask, opt);
+                 against_oracle<Eigen::half>(comm, p, mask, opt);
+               });
 }
 
 TEST_CASE("dist::attend_backward over MPI: refusals reach every rank and nothing is written", "[dist][mpi][backward]") {

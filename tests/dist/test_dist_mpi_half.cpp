@@ -15,7 +15,6 @@ namespace fa = fusedattn;
 namespace dist = fusedattn::dist;
 using namespace fusedattn::testing;
 using fusedattn::index_t;
-using fusedattn::scalar_name;
 
 namespace {
 
@@ -23,13 +22,11 @@ namespace {
 /// oracle, with TransformerEngine's context-parallel tolerances: |x − y| <= atol + rtol·|y|.
 template <class T>
 void against_one_process(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask,
-                         const dist::options& opt, double tol) {
+                         const dist::options& opt) {
   const std::uint64_t seed = shared_seed(comm);
   std::mt19937_64 rng(seed);
   sharded_case<T> c(p, opt.layout, comm, rng);
-  INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << dist::layout_name(opt.layout) << " "
-                        << dist::strategy_name(opt.strategy) << " ranks " << comm.size() << " rank " << comm.rank()
-                        << " seed=" << seed);
+  INFO(describe_run<T>(comm, p, mask, opt, seed));
   const fa::status st = c.run(comm, mask, opt);
   INFO(st.what());
   REQUIRE(st.ok());
@@ -45,14 +42,9 @@ void against_one_process(dist::mpi_comm& comm, const fa::problem& p, const fa::a
   const reference oracle = reference_attention<double>(p, c.whole.q.cview(), c.whole.k.cview(), c.whole.v.cview(),
                                                        bind_band(mask, p));
   const std::vector<double> oracle_o = shard_rows_of(oracle.o, p, p.head_dim, opt.layout, comm.size(), comm.rank());
-  int bad = 0, bad_oracle = 0;
-  for (std::size_t i = 0; i < c.o.size(); ++i) {
-    const double x = static_cast<double>(c.o[i]);
-    if (!(std::abs(x - ref_o[i]) <= tol + tol * std::abs(ref_o[i]))) ++bad;
-    if (!(std::abs(x - oracle_o[i]) <= tol + tol * std::abs(oracle_o[i]))) ++bad_oracle;
-  }
-  CHECK(bad == 0);
-  CHECK(bad_oracle == 0);
+  constexpr double tol = te_tolerance<T>();
+  CHECK(count_outside(c.o, ref_o, tol) == 0);
+  CHECK(count_outside(c.o, oracle_o, tol) == 0);
   CHECK(max_lse_error(c.lse, ref_lse) <= tol);
 }
 
@@ -61,13 +53,11 @@ void against_one_process(dist::mpi_comm& comm, const fa::problem& p, const fa::a
 TEST_CASE("dist::attend over MPI: bf16 and f16 against one process, TransformerEngine tolerances", "[dist][mpi]") {
   dist::mpi_comm comm;
   const index_t u = 2 * comm.size();
-  const std::vector<fa::problem> ps = {{1, 4, 4, u * 32, u * 32, 64}, {2, 8, 2, u * 19, u * 19, 128}};
-  for (const fa::problem& p : ps)
-    for (const fa::any_mask& mask : {fa::any_mask{fa::dense{}}, fa::any_mask{fa::causal{}}})
-      for (dist::strategy s : {dist::strategy::ring, dist::strategy::all_gather}) {
-        const dist::options opt{dist::layout::zigzag, s, {}};
-        against_one_process<Eigen::bfloat16>(comm, p, mask, opt, 2.5e-2);
-        against_one_process<Eigen::half>(comm, p, mask, opt, 5e-3);
-      }
+  for_each_run({{1, 4, 4, u * 32, u * 32, 64}, {2, 8, 2, u * 19, u * 19, 128}}, {dist::layout::zigzag},
+               {dist::strategy::ring, dist::strategy::all_gather},
+               [&](const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
+                 against_one_process<Eigen::bfloat16>(comm, p, mask, opt);
+                 against_one_process<Eigen::half>(comm, p, mask, opt);
+               });
 }
 

@@ -69,37 +69,13 @@ class host_exec {
   /// dst = src element by element, converted; both views have the same extents.
   template <class S, class D>
   status copy(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
-    const dims4 d = src.dims;
-    const index_t rows = d.b * d.h;
-    (void)rows;
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-#endif
-    for (index_t bh = 0; bh < rows; ++bh)
-      for (index_t i = 0; i < d.s; ++i) {
-        const auto* a = src.row(bh / d.h, bh % d.h, i);
-        D* b = dst.row(bh / d.h, bh % d.h, i);
-        for (index_t c = 0; c < d.d; ++c) b[c] = static_cast<D>(static_cast<accum_t<D>>(a[c]));
-      }
-    return {};
+    return each_element(src, dst, [](D& b, const auto& a) { b = static_cast<D>(static_cast<accum_t<D>>(a)); });
   }
 
   /// dst += src element by element, summed in dst's type; both views have the same extents.
   template <class S, class D>
   status add(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
-    const dims4 d = src.dims;
-    const index_t rows = d.b * d.h;
-    (void)rows;
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
-#endif
-    for (index_t bh = 0; bh < rows; ++bh)
-      for (index_t i = 0; i < d.s; ++i) {
-        const auto* a = src.row(bh / d.h, bh % d.h, i);
-        D* b = dst.row(bh / d.h, bh % d.h, i);
-        for (index_t c = 0; c < d.d; ++c) b[c] += static_cast<D>(static_cast<accum_t<D>>(a[c]));
-      }
-    return {};
+    return each_element(src, dst, [](D& b, const auto& a) { b += static_cast<D>(static_cast<accum_t<D>>(a)); });
   }
 
   /// `n` elements of U (float or double) set to zero.
@@ -129,6 +105,24 @@ class host_exec {
   status synchronize() { return {}; }
 
  private:
+  /// op(dst element, src element) over every element of two views of the same extents, rows split over threads.
+  template <class S, class D, class Op>
+  status each_element(const tensor_ref<S>& src, const tensor_ref<D>& dst, Op op) {
+    const dims4 d = src.dims;
+    const index_t rows = d.b * d.h;
+    (void)rows;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+#endif
+    for (index_t bh = 0; bh < rows; ++bh)
+      for (index_t i = 0; i < d.s; ++i) {
+        const auto* a = src.row(bh / d.h, bh % d.h, i);
+        D* b = dst.row(bh / d.h, bh % d.h, i);
+        for (index_t c = 0; c < d.d; ++c) op(b[c], a[c]);
+      }
+    return {};
+  }
+
   int threads_;
   std::vector<std::unique_ptr<unsigned char[]>> blocks_;
 };
@@ -198,6 +192,148 @@ status agree(Comm& comm, const status& local, std::uint64_t fp, const char* who 
   return {};
 }
 
+/// One rank's share of the global problem: seq_q / N queries against seq_kv / N keys.
+inline problem shard_problem(const problem& global, int ranks) {
+  problem lp = global;
+  lp.seq_q = global.seq_q / ranks;
+  lp.seq_kv = global.seq_kv / ranks;
+  return lp;
+}
+
+/// One block of the schedule: this rank's queries [q0, q0 + nq) against keys [k0, k0 + nk) of the K/V in hand.
+struct block_span {
+  index_t q0, nq, k0, nk;
+  block_mask mask;
+};
+
+/// The blocks of one step of the schedule: none, one, or one a shard piece.
+struct block_list {
+  block_span at[2]{};
+  int count = 0;
+  void add(const block_span& b) { at[count++] = b; }
+  const block_span* begin() const { return at; }
+  const block_span* end() const { return at + count; }
+};
+
+/// Ring step: this rank's `lq` queries against the `lkv` keys of rank `src`'s shard, cut to what causal lets them
+/// see (causal has lq = lkv). The forward and the backward schedule visit these blocks alike.
+inline block_list ring_blocks(int rank, int src, index_t lq, index_t lkv, bool is_causal, layout l) {
+  block_list out;
+  if (!is_causal) {
+    out.add({0, lq, 0, lkv, block_mask::dense});
+  } else if (src == rank) {
+    // The diagonal: local order is global order on both sides (zigzag keeps the two chunks ascending).
+    out.add({0, lq, 0, lkv, block_mask::causal_top_left});
+  } else if (l == layout::contiguous) {
+    if (src < rank) out.add({0, lq, 0, lkv, block_mask::dense});
+  } else if (src < rank) {
+    // zigzag, earlier rank: its chunk src precedes both of ours; its chunk 2N−1−src follows both.
+    out.add({0, lq, 0, lkv / 2, block_mask::dense});
+  } else {
+    // zigzag, later rank: both its chunks precede our chunk 2N−1−r and follow our chunk r.
+    out.add({lq / 2, lq - lq / 2, 0, lkv, block_mask::dense});
+  }
+  return out;
+}
+
+/// All-gather: this rank's queries against every key in global order; causal as one block a shard piece, queries
+/// at global rows [begin, end) seeing keys [0, end) (causal aligned bottom-right).
+inline block_list gathered_blocks(const problem& global, int ranks, int rank, bool is_causal, layout l) {
+  block_list out;
+  if (!is_causal) {
+    out.add({0, global.seq_q / ranks, 0, global.seq_kv, block_mask::dense});
+    return out;
+  }
+  index_t local = 0;
+  for (int p = 0; p < (l == layout::zigzag ? 2 : 1); ++p) {
+    const row_range rr = shard_piece(l, global.seq_q, ranks, rank, p);
+    out.add({local, rr.size(), 0, rr.end, block_mask::causal_bottom_right});
+    local += rr.size();
+  }
+  return out;
+}
+
+/// f(mask) with the block's mask as a value: dense{}, or causal{} with the block's alignment.
+template <class F>
+status with_block_mask(block_mask bm, F&& f) {
+  if (bm == block_mask::dense) return f(fusedattn::dense{});
+  return f(fusedattn::causal{bm == block_mask::causal_top_left ? align::top_left : align::bottom_right});
+}
+
+/// Keys [k0, k0 + nk) of a K or V buffer laid out [b][h_kv][rows][d].
+template <class T>
+tensor_ref<const T> key_rows(const T* base, const problem& g, index_t rows, index_t k0, index_t nk) {
+  return {base + k0 * g.head_dim,
+          {g.batch, g.heads_kv, nk, g.head_dim},
+          {g.heads_kv * rows * g.head_dim, rows * g.head_dim, g.head_dim, 1}};
+}
+
+/// This rank's place in the ring: exchanges that send to rank r + 1 and receive from rank r − 1 on the executor's
+/// stream, and the host seconds spent waiting for them.
+template <class Comm, class Exec>
+struct ring_link {
+  Comm& comm;
+  Exec& ex;
+  double waiting = 0;
+
+  status start(const void* send, void* recv, std::size_t bytes, typename Comm::request& req) {
+    const int n = comm.size(), r = comm.rank();
+    return comm.start_exchange(send, (r + 1) % n, recv, (r - 1 + n) % n, bytes, req, ex.stream());
+  }
+  status finish(typename Comm::request& req) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const status s = comm.wait(req, ex.stream());
+    waiting += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+  }
+};
+
+/// This rank's K and V shards, converted to T, packed at `dst`: K then V, each [b][h_kv][lp.seq_kv][d]. Both copies
+/// run; the first failure is returned.
+template <class Exec, class T>
+status pack_kv(Exec& ex, const tensor_ref<const T>& k, const tensor_ref<const T>& v, T* dst, const problem& lp) {
+  const index_t elems = lp.batch * lp.heads_kv * lp.seq_kv * lp.head_dim;
+  const status sk = ex.copy(k, bhsd(dst, lp.kv_dims()));
+  const status sv = ex.copy(v, bhsd(dst + elems, lp.kv_dims()));
+  return sk ? sv : sk;
+}
+
+/// All-gather of K and V: this rank's shards packed into its slot of `slots` (slot s: rank s's K then V), the slots
+/// passed around the ring (N − 1 hops), then K and V laid out in global row order in gk and gv (every slot read as
+/// this rank's own when opt.parts.communicate is off). A failing copy lands in `st` and the copies after it are
+/// skipped, the transfers still run (the other ranks wait for them); a failing transfer is returned.
+template <class Comm, class Exec, class T>
+status gather_kv(ring_link<Comm, Exec>& link, status& st, const problem& g, const tensor_ref<const T>& k,
+                 const tensor_ref<const T>& v, T* slots, T* gk, T* gv, const options& opt) {
+  const int n = link.comm.size(), r = link.comm.rank();
+  const problem lp = shard_problem(g, n);
+  const index_t kv_elems = lp.batch * lp.heads_kv * lp.seq_kv * lp.head_dim;
+  auto slot = [&](int s) { return slots + index_t(s) * 2 * kv_elems; };
+  if (st) st = pack_kv(link.ex, k, v, slot(r), lp);
+  if (opt.parts.communicate)
+    for (int i = 0; i + 1 < n; ++i) {
+      typename Comm::request req{};
+      if (status s = link.start(slot((r - i + n) % n), slot((r - i - 1 + n) % n), std::size_t(2 * kv_elems) * sizeof(T),
+                                req);
+          !s)
+        return s;
+      if (status s = link.finish(req); !s) return s;
+    }
+  const tensor_ref<T> gk_view = bhsd(gk, g.kv_dims()), gv_view = bhsd(gv, g.kv_dims());
+  for (int s = 0; s < n && st; ++s) {
+    const T* from = opt.parts.communicate ? slot(s) : slot(r);
+    const tensor_ref<const T> ks = bhsd(from, lp.kv_dims()), vs = bhsd(from + kv_elems, lp.kv_dims());
+    index_t local = 0;
+    for (int p = 0; p < (opt.layout == layout::zigzag ? 2 : 1) && st; ++p) {
+      const row_range rr = shard_piece(opt.layout, g.seq_kv, n, s, p);
+      const status sk = link.ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size()));
+      st = sk ? link.ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())) : sk;
+      local += rr.size();
+    }
+  }
+  return {};
+}
+
 /// The schedule, on validated input that every rank agreed on. Writes o and lse only when every step succeeded on
 /// every rank.
 template <class Comm, class Exec, class Policy, class T>
@@ -207,12 +343,9 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   using acc_t = accum_t<T>;
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
-  double waiting = 0;
   const int n = comm.size(), r = comm.rank();
-  const index_t lq = g.seq_q / n, lkv = g.seq_kv / n;
-  problem lp = g;
-  lp.seq_q = lq;
-  lp.seq_kv = lkv;
+  const problem lp = shard_problem(g, n);
+  const index_t lq = lp.seq_q, lkv = lp.seq_kv;
   const index_t kv_elems = g.batch * g.heads_kv * lkv * g.head_dim;
   const bool gather = opt.strategy == strategy::all_gather ||
                       (opt.strategy == strategy::automatic && g.heads_kv < g.heads);
@@ -246,26 +379,19 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   const tensor_ref<acc_t> acc = bhsd(acc_o, lp.q_dims());
   const lse_ref<float> acc_l = lse_bhs(acc_lse, lp.q_dims());
 
-  // Queries [q0, q0 + nq) of this rank against keys [k0, k0 + nk) of a K/V buffer laid out [b][h_kv][rows][d].
-  auto block = [&](index_t q0, index_t nq, const T* kb, const T* vb, index_t rows, index_t k0, index_t nk,
-                   block_mask bm) -> status {
+  // One block against a K/V buffer laid out [b][h_kv][rows][d], merged into the accumulator's rows.
+  auto block = [&](const block_span& bs, const T* kb, const T* vb, index_t rows) -> status {
     problem sp = g;
-    sp.seq_q = nq;
-    sp.seq_kv = nk;
-    const strides4 kv_st{g.heads_kv * rows * g.head_dim, rows * g.head_dim, g.head_dim, 1};
-    const tensor_ref<const T> ks{kb + k0 * g.head_dim, sp.kv_dims(), kv_st};
-    const tensor_ref<const T> vs{vb + k0 * g.head_dim, sp.kv_dims(), kv_st};
+    sp.seq_q = bs.nq;
+    sp.seq_kv = bs.nk;
+    const tensor_ref<const T> ks = key_rows(kb, g, rows, bs.k0, bs.nk), vs = key_rows(vb, g, rows, bs.k0, bs.nk);
     const tensor_ref<T> part = bhsd(part_o, sp.q_dims());
-    const tensor_ref<const T> qs = rows_of(q, q0, nq);
-    const status s =
-        bm == block_mask::dense
-            ? fusedattn::attend(pol, sp, qs, ks, vs, part, fusedattn::dense{}, part_lse)
-            : fusedattn::attend(pol, sp, qs, ks, vs, part,
-                                fusedattn::causal{bm == block_mask::causal_top_left ? align::top_left : align::bottom_right},
-                                part_lse);
+    const tensor_ref<const T> qs = rows_of(q, bs.q0, bs.nq);
+    const status s = with_block_mask(
+        bs.mask, [&](const auto& mask) { return fusedattn::attend(pol, sp, qs, ks, vs, part, mask, part_lse); });
     if (!s) return s;
-    const tensor_ref<acc_t> acc_rows = rows_of(acc, q0, nq);
-    const lse_ref<float> acc_l_rows = rows_of(acc_l, q0, nq);
+    const tensor_ref<acc_t> acc_rows = rows_of(acc, bs.q0, bs.nq);
+    const lse_ref<float> acc_l_rows = rows_of(acc_l, bs.q0, bs.nq);
     return ex.merge(tensor_ref<const acc_t>(acc_rows), lse_ref<const float>(acc_l_rows),
                     tensor_ref<const T>(part), lse_bhs(static_cast<const float*>(part_lse), sp.q_dims()), acc_rows,
                     acc_l_rows);
@@ -274,100 +400,29 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   auto compute = [&](status s) {
     if (st && opt.parts.compute) st = s;
   };
-  auto exchange = [&](const T* send, T* recv, typename Comm::request& req) -> status {
-    return comm.start_exchange(send, (r + 1) % n, recv, (r - 1 + n) % n, std::size_t(2 * kv_elems) * sizeof(T), req,
-                               ex.stream());
-  };
-  auto finish_exchange = [&](typename Comm::request& req) -> status {
-    const auto t0 = clock::now();
-    const status s = comm.wait(req, ex.stream());
-    waiting += std::chrono::duration<double>(clock::now() - t0).count();
-    return s;
-  };
-  const tensor_ref<T> own_kv_k{nullptr, lp.kv_dims(), {g.heads_kv * lkv * g.head_dim, lkv * g.head_dim, g.head_dim, 1}};
+  ring_link<Comm, Exec> link{comm, ex};
 
   if (!gather) {
     // Ring: step i computes on the shard of rank r − i while shard r − i − 1 arrives (double buffering).
-    tensor_ref<T> kd = own_kv_k, vd = own_kv_k;
-    kd.data = buf[0];
-    vd.data = buf[0] + kv_elems;
-    keep(ex.copy(k, kd));
-    keep(ex.copy(v, vd));
-    const index_t half = lq / 2;
+    keep(pack_kv(ex, k, v, buf[0], lp));
     int cur = 0;
     for (int i = 0; i < n; ++i) {
-      const int src = (r - i + n) % n;
       typename Comm::request req{};
       const bool moving = i + 1 < n && opt.parts.communicate;
       if (moving)
-        if (status s = exchange(buf[cur], buf[1 - cur], req); !s) return s;
-      const T* kb = buf[cur];
-      const T* vb = buf[cur] + kv_elems;
-      if (st && opt.parts.compute) {
-        if (!is_causal) {
-          compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::dense));
-        } else if (src == r) {
-          // The diagonal: local order is global order on both sides (zigzag keeps the two chunks ascending).
-          compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::causal_top_left));
-        } else if (opt.layout == layout::contiguous) {
-          if (src < r) compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::dense));
-        } else if (src < r) {
-          // zigzag, earlier rank: its chunk src precedes both of ours; its chunk 2N−1−src follows both.
-          compute(block(0, lq, kb, vb, lkv, 0, half, block_mask::dense));
-        } else {
-          // zigzag, later rank: both its chunks precede our chunk 2N−1−r and follow our chunk r.
-          compute(block(half, lq - half, kb, vb, lkv, 0, lkv, block_mask::dense));
-        }
-      }
+        if (status s = link.start(buf[cur], buf[1 - cur], std::size_t(2 * kv_elems) * sizeof(T), req); !s) return s;
+      if (st && opt.parts.compute)
+        for (const block_span& bs : ring_blocks(r, (r - i + n) % n, lq, lkv, is_causal, opt.layout))
+          compute(block(bs, buf[cur], buf[cur] + kv_elems, lkv));
       if (moving) {
-        if (status s = finish_exchange(req); !s) return s;
+        if (status s = link.finish(req); !s) return s;
         cur = 1 - cur;
       }
     }
   } else {
-    // All-gather: slot s of `all` receives rank s's packed K/V; then K and V are laid out in global order.
-    auto slot = [&](int s) { return all + index_t(s) * 2 * kv_elems; };
-    tensor_ref<T> kd = own_kv_k, vd = own_kv_k;
-    kd.data = slot(r);
-    vd.data = slot(r) + kv_elems;
-    keep(ex.copy(k, kd));
-    keep(ex.copy(v, vd));
-    if (opt.parts.communicate)
-      for (int i = 0; i + 1 < n; ++i) {
-        typename Comm::request req{};
-        if (status s = exchange(slot((r - i + n) % n), slot((r - i - 1 + n) % n), req); !s) return s;
-        if (status s = finish_exchange(req); !s) return s;
-      }
-    const index_t skv = g.seq_kv;
-    const tensor_ref<T> gk_view = bhsd(gk, g.kv_dims()), gv_view = bhsd(gv, g.kv_dims());
-    const int pieces = opt.layout == layout::zigzag ? 2 : 1;
-    for (int s = 0; s < n && st; ++s) {
-      const T* from = opt.parts.communicate ? slot(s) : slot(r);
-      index_t local = 0;
-      for (int p = 0; p < pieces && st; ++p) {
-        const row_range rr = shard_piece(opt.layout, skv, n, s, p);
-        tensor_ref<const T> ks = own_kv_k, vs = own_kv_k;
-        ks.data = from;
-        vs.data = from + kv_elems;
-        const status sk = ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size()));
-        const status sv = sk ? ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())) : sk;
-        st = sv;
-        local += rr.size();
-      }
-    }
-    if (st && opt.parts.compute) {
-      if (!is_causal) {
-        compute(block(0, lq, gk, gv, skv, 0, skv, block_mask::dense));
-      } else {
-        index_t local = 0;
-        for (int p = 0; p < pieces; ++p) {
-          // Queries at global rows [begin, end) see keys [0, end): causal aligned bottom-right.
-          const row_range rr = shard_piece(opt.layout, g.seq_q, n, r, p);
-          compute(block(local, rr.size(), gk, gv, skv, 0, rr.end, block_mask::causal_bottom_right));
-          local += rr.size();
-        }
-      }
-    }
+    if (status s = gather_kv(link, st, g, k, v, all, gk, gv, opt); !s) return s;
+    if (st && opt.parts.compute)
+      for (const block_span& bs : gathered_blocks(g, n, r, is_causal, opt.layout)) compute(block(bs, gk, gv, g.seq_kv));
   }
   if (st) {
     const status synced = ex.synchronize();
@@ -381,7 +436,7 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   if (status s = ex.synchronize(); !s) return s;
   if (tm) {
     tm->total = std::chrono::duration<double>(clock::now() - t_start).count();
-    tm->waiting = waiting;
+    tm->waiting = link.waiting;
   }
   return {};
 }
@@ -467,11 +522,8 @@ status attend(Comm& comm, const Policy& pol, const problem& global,
   const auto check = [&]() -> status {
     if (!mask_ok) return mask_ok;
     if (status s = detail::check_sharding(n, comm.rank(), global, is_causal, opt, "dist::attend"); !s) return s;
-    problem lp = global;
-    lp.seq_q = global.seq_q / n;
-    lp.seq_kv = global.seq_kv / n;
     if (status s = validate_policy(pol); !s) return s;
-    return validate(lp, q, k, v, o, fusedattn::dense{}, lse);
+    return validate(detail::shard_problem(global, n), q, k, v, o, fusedattn::dense{}, lse);
   };
   const status local = check();
   const std::uint64_t fp = detail::fingerprint(global, is_causal, opt, scalar_name<T>());

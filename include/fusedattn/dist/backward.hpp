@@ -45,12 +45,9 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
   using clock = std::chrono::steady_clock;
   constexpr const char* who = "dist::attend_backward";
   const auto t_start = clock::now();
-  double waiting = 0;
   const int n = comm.size(), r = comm.rank();
-  const index_t lq = g.seq_q / n, lkv = g.seq_kv / n;
-  problem lp = g;
-  lp.seq_q = lq;
-  lp.seq_kv = lkv;
+  const problem lp = shard_problem(g, n);
+  const index_t lq = lp.seq_q, lkv = lp.seq_kv;
   const index_t kv_elems = g.batch * g.heads_kv * lkv * g.head_dim;     // one shard of K (or V)
   const index_t all_kv_elems = g.batch * g.heads_kv * g.seq_kv * g.head_dim;  // the whole of K (or V)
   const bool gather = opt.strategy == strategy::all_gather ||
@@ -94,36 +91,32 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
 
   // Keys [k0, k0 + nk) of the block last computed, to be added to a dK/dV accumulator.
   index_t pending_k0 = 0, pending_nk = 0;
-  // Queries [q0, q0 + nq) of this rank against keys [k0, k0 + nk) of a K/V buffer laid out [b][h_kv][rows][d]:
-  // the block's dQ goes into dq_sum at once, its dK/dV stay in part_kv for add_kv.
-  auto block = [&](index_t q0, index_t nq, const T* kb, const T* vb, index_t rows, index_t k0, index_t nk,
-                   block_mask bm) -> status {
+  // One block against a K/V buffer laid out [b][h_kv][rows][d]: its dQ goes into dq_sum at once, its dK/dV stay
+  // in part_kv for add_kv.
+  auto block = [&](const block_span& bs, const T* kb, const T* vb, index_t rows) -> status {
     problem sp = g;
-    sp.seq_q = nq;
-    sp.seq_kv = nk;
-    const strides4 kv_st{g.heads_kv * rows * g.head_dim, rows * g.head_dim, g.head_dim, 1};
-    const tensor_ref<const T> ks{kb + k0 * g.head_dim, sp.kv_dims(), kv_st};
-    const tensor_ref<const T> vs{vb + k0 * g.head_dim, sp.kv_dims(), kv_st};
+    sp.seq_q = bs.nq;
+    sp.seq_kv = bs.nk;
+    const tensor_ref<const T> ks = key_rows(kb, g, rows, bs.k0, bs.nk), vs = key_rows(vb, g, rows, bs.k0, bs.nk);
     const tensor_ref<T> pdq = bhsd(part_dq, sp.q_dims());
     const tensor_ref<T> pdk = bhsd(part_kv, sp.kv_dims());
     const tensor_ref<T> pdv = bhsd(part_kv + part_kv_elems, sp.kv_dims());
     // attend_backward reads lse as [b][h][i] over the block's rows: this rank's rows as they are, fewer packed.
     const float* block_lse = lse;
-    if (nq != lq) {
-      if (status s = ex.copy(rows_of(lse_view, q0, nq), bhsd(part_lse, {g.batch, g.heads, nq, 1})); !s) return s;
+    if (bs.nq != lq) {
+      if (status s = ex.copy(rows_of(lse_view, bs.q0, bs.nq), bhsd(part_lse, {g.batch, g.heads, bs.nq, 1})); !s)
+        return s;
       block_lse = part_lse;
     }
-    const tensor_ref<const T> qs = rows_of(q, q0, nq), os = rows_of(o, q0, nq), dos = rows_of(d_o, q0, nq);
-    const status s =
-        bm == block_mask::dense
-            ? fusedattn::attend_backward(pol, sp, qs, ks, vs, os, dos, block_lse, pdq, pdk, pdv, fusedattn::dense{})
-            : fusedattn::attend_backward(
-                  pol, sp, qs, ks, vs, os, dos, block_lse, pdq, pdk, pdv,
-                  fusedattn::causal{bm == block_mask::causal_top_left ? align::top_left : align::bottom_right});
+    const tensor_ref<const T> qs = rows_of(q, bs.q0, bs.nq), os = rows_of(o, bs.q0, bs.nq),
+                              dos = rows_of(d_o, bs.q0, bs.nq);
+    const status s = with_block_mask(bs.mask, [&](const auto& mask) {
+      return fusedattn::attend_backward(pol, sp, qs, ks, vs, os, dos, block_lse, pdq, pdk, pdv, mask);
+    });
     if (!s) return s;
-    pending_k0 = k0;
-    pending_nk = nk;
-    return ex.add(tensor_ref<const T>(pdq), rows_of(dq_sum, q0, nq));
+    pending_k0 = bs.k0;
+    pending_nk = bs.nk;
+    return ex.add(tensor_ref<const T>(pdq), rows_of(dq_sum, bs.q0, bs.nq));
   };
   // The pending block's dK and dV into rows [k0, k0 + nk) of an accumulator (dK, then dV `elems` further on)
   // laid out [b][h_kv][rows][d].
@@ -141,129 +134,66 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
   auto compute = [&](status s) {
     if (st && opt.parts.compute) st = s;
   };
-  auto exchange = [&](const void* send, void* recv, std::size_t bytes, typename Comm::request& req) -> status {
-    return comm.start_exchange(send, (r + 1) % n, recv, (r - 1 + n) % n, bytes, req, ex.stream());
-  };
-  auto finish_exchange = [&](typename Comm::request& req) -> status {
-    const auto t0 = clock::now();
-    const status s = comm.wait(req, ex.stream());
-    waiting += std::chrono::duration<double>(clock::now() - t0).count();
-    return s;
-  };
+  ring_link<Comm, Exec> link{comm, ex};
   const std::size_t kv_bytes = std::size_t(2 * kv_elems) * sizeof(T);
   const std::size_t acc_bytes = std::size_t(2 * kv_elems) * sizeof(acc_t);
-  const tensor_ref<T> shard_view{nullptr, lp.kv_dims(), {g.heads_kv * lkv * g.head_dim, lkv * g.head_dim, g.head_dim, 1}};
   int home = 0;  // the dkv buffer that ends up holding this rank's dK/dV
 
   if (!gather) {
-    tensor_ref<T> kd = shard_view, vd = shard_view;
-    kd.data = buf[0];
-    vd.data = buf[0] + kv_elems;
-    keep(ex.copy(k, kd));
-    keep(ex.copy(v, vd));
+    keep(pack_kv(ex, k, v, buf[0], lp));
     keep(ex.zero(dkv[0], 2 * kv_elems));
-    const index_t half = lq / 2;
     int cur = 0, dcur = 0;
     for (int i = 0; i < n; ++i) {
-      const int src = (r - i + n) % n;
       typename Comm::request kv_req{}, acc_req{};
       const bool moving = i + 1 < n && opt.parts.communicate;
       const bool acc_moving = i > 0 && opt.parts.communicate;
       if (moving)
-        if (status s = exchange(buf[cur], buf[1 - cur], kv_bytes, kv_req); !s) return s;
+        if (status s = link.start(buf[cur], buf[1 - cur], kv_bytes, kv_req); !s) return s;
       // The accumulator of the shard finished last step leaves; the one of this step's shard arrives.
       if (acc_moving)
-        if (status s = exchange(dkv[dcur], dkv[1 - dcur], acc_bytes, acc_req); !s) return s;
-      const T* kb = buf[cur];
-      const T* vb = buf[cur] + kv_elems;
+        if (status s = link.start(dkv[dcur], dkv[1 - dcur], acc_bytes, acc_req); !s) return s;
       pending_nk = 0;
-      if (st && opt.parts.compute) {
-        // The blocks of dist::attend's ring, step for step.
-        if (!is_causal) {
-          compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::dense));
-        } else if (src == r) {
-          compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::causal_top_left));
-        } else if (opt.layout == layout::contiguous) {
-          if (src < r) compute(block(0, lq, kb, vb, lkv, 0, lkv, block_mask::dense));
-        } else if (src < r) {
-          compute(block(0, lq, kb, vb, lkv, 0, half, block_mask::dense));
-        } else {
-          compute(block(half, lq - half, kb, vb, lkv, 0, lkv, block_mask::dense));
-        }
-      }
+      if (st && opt.parts.compute)
+        for (const block_span& bs : ring_blocks(r, (r - i + n) % n, lq, lkv, is_causal, opt.layout))
+          compute(block(bs, buf[cur], buf[cur] + kv_elems, lkv));
       if (acc_moving) {
-        if (status s = finish_exchange(acc_req); !s) return s;
+        if (status s = link.finish(acc_req); !s) return s;
         dcur = 1 - dcur;
       }
       if (st && opt.parts.compute && pending_nk > 0) compute(add_kv(dkv[dcur], lkv, kv_elems));
       if (moving) {
-        if (status s = finish_exchange(kv_req); !s) return s;
+        if (status s = link.finish(kv_req); !s) return s;
         cur = 1 - cur;
       }
     }
     // Each accumulator now holds every rank's part of the shard of rank r + 1: one hop takes it home.
     if (n > 1 && opt.parts.communicate) {
       typename Comm::request req{};
-      if (status s = exchange(dkv[dcur], dkv[1 - dcur], acc_bytes, req); !s) return s;
-      if (status s = finish_exchange(req); !s) return s;
+      if (status s = link.start(dkv[dcur], dkv[1 - dcur], acc_bytes, req); !s) return s;
+      if (status s = link.finish(req); !s) return s;
       dcur = 1 - dcur;
     }
     home = dcur;
   } else {
-    auto slot = [&](int s) { return all + index_t(s) * 2 * kv_elems; };
-    tensor_ref<T> kd = shard_view, vd = shard_view;
-    kd.data = slot(r);
-    vd.data = slot(r) + kv_elems;
-    keep(ex.copy(k, kd));
-    keep(ex.copy(v, vd));
     keep(ex.zero(g_acc, 2 * all_kv_elems));
-    if (opt.parts.communicate)
-      for (int i = 0; i + 1 < n; ++i) {
-        typename Comm::request req{};
-        if (status s = exchange(slot((r - i + n) % n), slot((r - i - 1 + n) % n), kv_bytes, req); !s) return s;
-        if (status s = finish_exchange(req); !s) return s;
+    if (status s = gather_kv(link, st, g, k, v, all, gk, gv, opt); !s) return s;
+    if (st && opt.parts.compute)
+      for (const block_span& bs : gathered_blocks(g, n, r, is_causal, opt.layout)) {
+        if (!st) break;
+        compute(block(bs, gk, gv, g.seq_kv));
+        if (st) compute(add_kv(g_acc, g.seq_kv, all_kv_elems));
       }
-    const index_t skv = g.seq_kv;
-    const tensor_ref<T> gk_view = bhsd(gk, g.kv_dims()), gv_view = bhsd(gv, g.kv_dims());
-    const int pieces = opt.layout == layout::zigzag ? 2 : 1;
-    for (int s = 0; s < n && st; ++s) {
-      const T* from = opt.parts.communicate ? slot(s) : slot(r);
-      index_t local = 0;
-      for (int p = 0; p < pieces && st; ++p) {
-        const row_range rr = shard_piece(opt.layout, skv, n, s, p);
-        tensor_ref<const T> ks = shard_view, vs = shard_view;
-        ks.data = from;
-        vs.data = from + kv_elems;
-        keep(ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size())));
-        keep(ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())));
-        local += rr.size();
-      }
-    }
-    if (st && opt.parts.compute) {
-      if (!is_causal) {
-        compute(block(0, lq, gk, gv, skv, 0, skv, block_mask::dense));
-        if (st) compute(add_kv(g_acc, skv, all_kv_elems));
-      } else {
-        index_t local = 0;
-        for (int p = 0; p < pieces && st; ++p) {
-          // Queries at global rows [begin, end) see keys [0, end): causal aligned bottom-right.
-          const row_range rr = shard_piece(opt.layout, g.seq_q, n, r, p);
-          compute(block(local, rr.size(), gk, gv, skv, 0, rr.end, block_mask::causal_bottom_right));
-          if (st) compute(add_kv(g_acc, skv, all_kv_elems));
-          local += rr.size();
-        }
-      }
-    }
     // Reduce-scatter: the sums of shard c are this rank's rows of c (in shard order) plus what arrives.
+    const strides4 shard_stride = bhsd(dkv[0], lp.kv_dims()).stride;
     auto gather_rows = [&](int c, acc_t* dst, bool accumulate) -> status {
       index_t local = 0;
-      for (int p = 0; p < pieces; ++p) {
-        const row_range rr = shard_piece(opt.layout, skv, n, c, p);
+      for (int p = 0; p < (opt.layout == layout::zigzag ? 2 : 1); ++p) {
+        const row_range rr = shard_piece(opt.layout, g.seq_kv, n, c, p);
         for (int x = 0; x < 2; ++x) {
           const tensor_ref<const acc_t> from =
               rows_of(tensor_ref<const acc_t>(bhsd(g_acc + x * all_kv_elems, g.kv_dims())), rr.begin, rr.size());
-          tensor_ref<acc_t> to{dst + x * kv_elems, lp.kv_dims(), shard_view.stride};
-          to = rows_of(to, local, rr.size());
+          const tensor_ref<acc_t> to = rows_of(tensor_ref<acc_t>{dst + x * kv_elems, lp.kv_dims(), shard_stride},
+                                               local, rr.size());
           if (status s = accumulate ? ex.add(from, to) : ex.copy(from, to); !s) return s;
         }
         local += rr.size();
@@ -278,8 +208,8 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
       int cur = 0;
       for (int i = 0; i + 1 < n; ++i) {
         typename Comm::request req{};
-        if (status s = exchange(dkv[cur], dkv[1 - cur], acc_bytes, req); !s) return s;
-        if (status s = finish_exchange(req); !s) return s;
+        if (status s = link.start(dkv[cur], dkv[1 - cur], acc_bytes, req); !s) return s;
+        if (status s = link.finish(req); !s) return s;
         cur = 1 - cur;
         if (st && opt.parts.compute) compute(gather_rows((r - i - 2 + 2 * n) % n, dkv[cur], true));
       }
@@ -292,15 +222,15 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
   }
   if (status s = agree(comm, st, fp, who); !s) return s;
   // Every rank succeeded: write the gradients.
-  tensor_ref<const acc_t> dk_sum{dkv[home], lp.kv_dims(), shard_view.stride};
-  tensor_ref<const acc_t> dv_sum{dkv[home] + kv_elems, lp.kv_dims(), shard_view.stride};
+  const tensor_ref<const acc_t> dk_sum = bhsd<const acc_t>(dkv[home], lp.kv_dims());
+  const tensor_ref<const acc_t> dv_sum = bhsd<const acc_t>(dkv[home] + kv_elems, lp.kv_dims());
   if (status s = ex.copy(tensor_ref<const acc_t>(dq_sum), dq); !s) return s;
   if (status s = ex.copy(dk_sum, dk); !s) return s;
   if (status s = ex.copy(dv_sum, dv); !s) return s;
   if (status s = ex.synchronize(); !s) return s;
   if (tm) {
     tm->total = std::chrono::duration<double>(clock::now() - t_start).count();
-    tm->waiting = waiting;
+    tm->waiting = link.waiting;
   }
   return {};
 }
@@ -351,11 +281,8 @@ status attend_backward(Comm& comm, const Policy& pol, const problem& global,
     if (!detail::mask_kind<Mask>::is_causal(mask, is_causal))
       return {errc::unsupported, std::string(who) + " takes the dense and causal masks; this mask is neither"};
     if (status s = detail::check_sharding(n, comm.rank(), global, is_causal, opt, who); !s) return s;
-    problem lp = global;
-    lp.seq_q = global.seq_q / n;
-    lp.seq_kv = global.seq_kv / n;
     if (status s = validate_policy(pol); !s) return s;
-    return validate_backward(lp, q, k, v, o, d_o, lse, dq, dk, dv, fusedattn::dense{});
+    return validate_backward(detail::shard_problem(global, n), q, k, v, o, d_o, lse, dq, dk, dv, fusedattn::dense{});
   };
   const status local = check();
   const std::string type = std::string(scalar_name<T>()) + " backward";
