@@ -3,6 +3,7 @@
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
 // "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
+// "generic" the CUDA-core kernel (bf16 aligned on tensor cores vs bf16 off alignment and f32 on cuda.flash_generic),
 // "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep), "profile" one call each for a
 // profiler, "peer DIR" the block-sparse suite with its layouts written to DIR (layout_4096.txt, layout_10000.txt) for
 // bench/peers/torch_peer.py --block-sparse, then the default flash on (10,16,1024,128) (1280 items of 128 rows ×
@@ -54,7 +55,8 @@ double flops(const shape& c) {
   return 4.0 * c.b * c.h * double(m.allowed_count()) * c.d;
 }
 
-/// Device buffers of `sets` input sets (Q, K, V) and one O, bhsd.
+/// Device buffers of `sets` input sets (Q, K, V) and one O, bhsd; with `shift` = 1 every view starts one element
+/// past its allocation (not 16-byte aligned: the tensor-core kernels do not take it).
 template <class T>
 struct operands {
   using E = cb::device_t<T>;
@@ -63,8 +65,9 @@ struct operands {
   std::vector<E*> q, k, v;
   E* o = nullptr;
   float* lse = nullptr;
-  operands(const shape& c, int sets_) : p{c.b, c.h, c.h, c.s, c.s, c.d}, sets(sets_) {
-    const fa::index_t n = fa::index_t(c.b) * c.h * c.s * c.d;
+  int shift = 0;
+  operands(const shape& c, int sets_, int shift_ = 0) : p{c.b, c.h, c.h, c.s, c.s, c.d}, sets(sets_), shift(shift_) {
+    const fa::index_t n = fa::index_t(c.b) * c.h * c.s * c.d + shift;
     for (int i = 0; i < sets; ++i) {
       E* x[3];
       for (int j = 0; j < 3; ++j) {
@@ -88,8 +91,8 @@ struct operands {
     cudaFree(o);
     cudaFree(lse);
   }
-  fa::tensor_ref<const T> view(const E* x) const { return fa::bhsd(reinterpret_cast<const T*>(x), p.q_dims()); }
-  fa::tensor_ref<T> out() const { return fa::bhsd(reinterpret_cast<T*>(o), p.o_dims()); }
+  fa::tensor_ref<const T> view(const E* x) const { return fa::bhsd(reinterpret_cast<const T*>(x + shift), p.q_dims()); }
+  fa::tensor_ref<T> out() const { return fa::bhsd(reinterpret_cast<T*>(o + shift), p.o_dims()); }
 };
 
 /// Median time in ms of `run(set)` over rotating sets: 3 warm-up calls, then repetitions until ~300 ms or 100 runs.
@@ -230,13 +233,13 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
 }
 #endif
 
-/// One line saying which kernel a call runs (fa::plan): its name, its device scratch and, when not fused, why.
+/// One line saying which kernel a call runs (fa::plan): its name, its device scratch and, when it has one, why.
 void print_plan(const fa::kernel_plan& pl) {
   if (!pl) {
     std::printf("      plan: refused: %s\n", pl.st.what());
     return;
   }
-  std::printf("      plan: %s, %zu bytes of scratch%s%s\n", pl.kernel.c_str(), pl.scratch_bytes, pl.fused ? "" : "; ",
+  std::printf("      plan: %s, %zu bytes of scratch%s%s\n", pl.kernel.c_str(), pl.scratch_bytes, pl.why.empty() ? "" : "; ",
               pl.why.c_str());
 }
 
@@ -298,6 +301,23 @@ void flash_suite(const shape& c) {
     time_tile<T, cb::flash_tile<64, 4, 64, 32, 2>>(c, x, "w4 n64 r32 s2");
   }
 #endif
+}
+
+/// The CUDA-core kernel (cuda.flash_generic) beside the tensor-core one: bf16 aligned (automatic: the tensor-core
+/// kernel), bf16 one element off alignment and f32 (automatic: flash_generic, fa::plan says why).
+void generic_suite(const shape& c) {
+  {
+    operands<Eigen::bfloat16> x(c, sets_for(c, 2));
+    time_attend<Eigen::bfloat16>(c, x, fa::policy::cuda_kernel::automatic, "automatic (aligned)");
+  }
+  {
+    operands<Eigen::bfloat16> x(c, sets_for(c, 2), 1);
+    time_attend<Eigen::bfloat16>(c, x, fa::policy::cuda_kernel::automatic, "automatic (base + 1)");
+  }
+  {
+    operands<float> x(c, sets_for(c, 4));
+    time_attend<float>(c, x, fa::policy::cuda_kernel::automatic, "automatic (f32)");
+  }
 }
 
 template <class T>
@@ -550,6 +570,12 @@ int main(int argc, char** argv) {
       operands<Eigen::bfloat16> x(short_items, sets_for(short_items, 2));
       time_attend<Eigen::bfloat16>(short_items, x, fa::policy::cuda_kernel::flash, "flash (default tile)");
     }
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "generic") {  // cuda.flash_generic against the tensor-core kernel
+    for (const shape& c : {shape{2, 16, 4096, 128, false}, shape{2, 16, 4096, 128, true}, shape{1, 32, 8192, 64, false},
+                           shape{1, 32, 8192, 64, true}})
+      generic_suite(c);
     return 0;
   }
   if (argc > 2 && std::string(argv[2]) == "sparse") {  // the block-sparse suite only

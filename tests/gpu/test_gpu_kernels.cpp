@@ -186,9 +186,9 @@ TEMPLATE_TEST_CASE("cuda naive matches the float64 oracle", "[gpu][naive]", floa
     check_gpu<TestType>(cuda_kernel::naive, shapes[shape_index], layouts[(shape_index + m) % 3], masks[m]);
 }
 
-TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, naive elsewhere, both right", "[gpu][automatic]",
+TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, flash_generic elsewhere, both right", "[gpu][automatic]",
                    Eigen::half, Eigen::bfloat16, float) {
-  // padded rows (stride d + 3) and head_dim 20 take the naive path; bhsd with head_dim 128 or 80 takes flash.
+  // padded rows (stride d + 3), head_dim 20 and f32 take flash_generic; bhsd 16-bit with head_dim 128 or 80 flash.
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 1, 100, 130, 128}, layout::padded, causal{});
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 80}, layout::bhsd, dense{});
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 20}, layout::bhsd, dense{});
@@ -369,7 +369,7 @@ TEST_CASE("cuda: host pointers and unsupported cases are statuses, nothing writt
                                dense{}, nullptr);
   CHECK(st.code() == errc::unsupported);
   CHECK(std::string(st.what()).find("f16 and bf16") != std::string::npos);
-  // Block-sparse with a q-block smaller than flash's q-tile: flash says why not (automatic runs naive).
+  // Block-sparse with a q-block smaller than flash's q-tile: flash says why not (automatic runs flash_generic).
   const block_layout small_blocks = dense_layout(block_geometry{16, 16, 16, 16, 1, 1});
   st = gpu::attend_cuda<Eigen::half>(cuda_kernel::flash, p, bhsd<const Eigen::half>(q.data(), p.q_dims()),
                                      bhsd<const Eigen::half>(k.data(), p.kv_dims()),
@@ -446,7 +446,7 @@ TEMPLATE_TEST_CASE("cuda block-sparse (flash and naive) matches the float64 orac
             check_gpu<TestType>(kernel, c.p, layout::bshd, block_sparse{no_runs, within}, uploaded);
         }
     }
-  // q-blocks smaller than flash's q-tile: automatic takes the naive pipeline, still right.
+  // q-blocks smaller than flash's q-tile: automatic takes flash_generic, still right.
   const problem p{1, 2, 2, 200, 200, 64};
   const block_layout small = random_layout(block_geometry{200, 200, 64, 64, 1, 2}, 0.5, fresh_seed());
   check_gpu<TestType>(cuda_kernel::automatic, p, layout::bhsd, block_sparse{small, causal{}});

@@ -192,7 +192,7 @@ TEMPLATE_TEST_CASE("cuda score modifiers on split-KV calls", "[gpu][modifiers]",
     }
 }
 
-TEST_CASE("cuda score modifiers in f32 (naive pipeline)", "[gpu][modifiers]") {
+TEST_CASE("cuda score modifiers in f32 (flash_generic)", "[gpu][modifiers]") {
   if (!have_device()) return;
   for (const mod_set& set : all_sets)
     check_mods<float>(cuda_kernel::automatic, {1, 4, 2, 100, 150, 40}, causal{align::bottom_right}, set);

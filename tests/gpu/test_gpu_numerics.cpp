@@ -299,26 +299,38 @@ TEST_CASE("cuda plan: the kernel attend runs, its scratch, and why it is not fus
     CHECK(pl.scratch_bytes == sizeof(int));  // the repair pass's flag (a causal mask leaves masked keys in tiles)
     CHECK(pl.why.empty());
   }
-  {  // head_dim 20 (not a multiple of 8): automatic falls back to the naive pipeline, and says why
+  {  // head_dim 20 (not a multiple of 8): automatic runs the CUDA-core flash kernel, and says why
     const problem p{1, 4, 2, 300, 200, 20};
     const kernel_plan pl = run_plan(cuda_kernel::automatic, p, dense{});
     INFO(pl.st.what() << " " << pl.kernel << ": " << pl.why);
     REQUIRE(pl);
+    CHECK(pl.kernel == "cuda.flash_generic");
+    CHECK(pl.fused);
+    CHECK(pl.why.find("head_dim is 20") != std::string::npos);
+    CHECK(pl.why.find("naive") == std::string::npos);
+    // at most its split-KV parts (f32 O rows, m and l): O(S), no seq_q x seq_kv term
+    CHECK(pl.scratch_bytes % (sizeof(float) * (20 + 2)) == 0);
+    CHECK(pl.scratch_bytes <= std::size_t(64) * 4 * 300 * (20 + 2) * sizeof(float));
+  }
+  {  // naive asked for on the same call: the naive pipeline's packed Q (f16) and unpacked O (f32), packed K and V,
+     // S (f32) and P (f16), the non-finite V flag
+    const kernel_plan pl = run_plan(cuda_kernel::naive, problem{1, 4, 2, 300, 200, 20}, dense{});
+    REQUIRE(pl);
     CHECK(pl.kernel == "cuda.naive");
     CHECK_FALSE(pl.fused);
-    CHECK(pl.why.find("head_dim is 20") != std::string::npos);
-    // packed Q (f16) and unpacked O (f32), packed K and V, S (f32) and P (f16), the non-finite V flag
     const std::size_t expect_bytes = std::size_t(1 * 4 * 300 * 20) * 6 + std::size_t(1 * 2 * 200 * 20) * 4 +
                                      std::size_t(1 * 4 * 300 * 200) * 6 + sizeof(int);
     CHECK(pl.scratch_bytes == expect_bytes);
   }
-  {  // head_dim 80 and 40: the mma.sync kernel on the 96 and 64 tiles (few work items: its split-KV form)
+  {  // head_dim 80 and 40: the Hopper 128 tile (on an sm_90a build and device) or the mma.sync kernel on the 96
+     // and 64 tiles (few work items: its split-KV form)
     for (const index_t d : {index_t(40), index_t(80)}) {
       const kernel_plan pl = run_plan(cuda_kernel::automatic, problem{1, 4, 2, 300, 200, d}, dense{});
       INFO(pl.st.what() << " " << pl.kernel << ": " << pl.why);
       REQUIRE(pl);
       CHECK(pl.fused);
-      CHECK((pl.kernel == "cuda.flash_mma_sync" || pl.kernel == "cuda.flash_split_kv"));
+      CHECK((pl.kernel == "cuda.flash_mma_sync" || pl.kernel == "cuda.flash_split_kv" ||
+             pl.kernel == "cuda.flash_hopper"));
       CHECK(pl.why.empty());
     }
   }

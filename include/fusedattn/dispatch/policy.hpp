@@ -76,10 +76,17 @@ using cpu_neon = cpu<xsimd::neon64>;
 
 /// Which CUDA kernel `policy::cuda` runs.
 enum class cuda_kernel {
-  automatic,  ///< flash where it applies (f16/bf16, head_dim 32, 64, 96, 128 or 256, 16-byte aligned rows), else naive
+  automatic,  ///< a fused kernel for every call: the tensor-core flash kernel where it applies (f16/bf16, head_dim a
+              ///< multiple of 8 up to 256, 16-byte aligned rows and strides that are multiples of 8 elements,
+              ///< block-sparse block_q a multiple of its q-tile), GQA decode shapes on cuda.decode, and everything
+              ///< else on flash_generic (fa::plan says which, and why); never the naive pipeline
   flash,      ///< the fused tensor-core kernel (wgmma on sm_90 with sm_90a code, else mma.sync); unsupported where it does not apply
-  naive,      ///< the three-pass pipeline: cuBLAS Q·Kᵀ, softmax over the materialised scores, cuBLAS P·V
+  naive,      ///< the three-pass pipeline: cuBLAS Q·Kᵀ, softmax over the materialised scores, cuBLAS P·V (the
+              ///< teaching baseline; scratch O(batch·heads·seq_q·seq_kv))
   flash_mma_sync,  ///< flash on the portable sm_80 kernel (mma.sync) even where the Hopper kernel would run
+  flash_generic,   ///< the fused CUDA-core kernel (backends/cuda/flash_generic.cuh) on any call, even one the tensor-core
+                   ///< kernels take: every storage type (f32 accumulation, f64 in double), alignment, stride, head_dim
+                   ///< and block-sparse layout; scratch O(S) (split-KV parts only)
 };
 
 /// The CUDA backend. `stream` is a cudaStream_t (nullptr: the default stream); pointers must be device memory.

@@ -1,6 +1,6 @@
 /// @file attend_cuda.cuh
-/// The CUDA side of `attend`: checks that every pointer is device memory, picks flash or the naive pipeline for
-/// policy::cuda's `kernel`, and runs it on the policy's stream; block-sparse layouts come copied per call or already
+/// The CUDA side of `attend`: checks that every pointer is device memory, picks the tensor-core flash kernel, the
+/// CUDA-core one (flash_generic) or the naive pipeline for policy::cuda's `kernel`, and runs it on the policy's stream; block-sparse layouts come copied per call or already
 /// on the device (cuda::device_block_sparse). Included by dispatch/attend.hpp when
 /// FUSEDATTN_WITH_CUDA is 1; a translation unit that sees it must be compiled by nvcc (a .cu file).
 #pragma once
@@ -25,6 +25,7 @@
 #include "device_types.cuh"
 #include "error.cuh"
 #include "flash.cuh"
+#include "flash_generic.cuh"
 #include "flash_hopper.cuh"
 #include "naive.cuh"
 
@@ -49,7 +50,7 @@ status flash_applies(const problem& p, const tensor_ref<const T>& q, const tenso
   constexpr int min_major = 8;  // mma.sync m16n8k16 with bf16, ldmatrix, cp.async: sm_80
   if (!std::is_same_v<E, __half> && !std::is_same_v<E, __nv_bfloat16>)
     return {errc::unsupported, std::string("CUDA flash takes f16 and bf16; this call is ") + scalar_name<T>() +
-                                   " (policy::cuda{.kernel = automatic} runs it on the naive pipeline)"};
+                                   " (policy::cuda{.kernel = automatic} runs it on cuda.flash_generic)"};
   if (!with_default_tile(p.head_dim, false, [](auto) { return true; }))
     return {errc::unsupported,
             "problem.head_dim is " + std::to_string(p.head_dim) + "; CUDA flash takes " + flash_head_dims_text};
@@ -271,14 +272,19 @@ status check_device_pointers(const tensor_ref<const T>& q, const tensor_ref<cons
   return {};
 }
 
-/// What policy::cuda's `kernel` picks for a call (the one choice attend and plan_run share): `flash` true for the
-/// fused kernel; false for the naive pipeline, with `why` saying why (automatic's fallback, or naive asked for). Not
-/// ok when the call is refused (flash or flash_mma_sync where flash does not apply; an invalid kernel value).
+/// The kernel family of a call: the tensor-core flash kernels (with cuda.decode for GQA decode shapes), the CUDA-core
+/// flash kernel (flash_generic.cuh), or the naive pipeline.
+enum class cuda_path { flash, generic, naive };
+
+/// What policy::cuda's `kernel` picks for a call (the one choice attend and plan_run share), with `why` saying why
+/// when it is not the tensor-core kernel (automatic's reason for flash_generic, or the kernel asked for). Not ok when
+/// the call is refused (flash or flash_mma_sync where flash does not apply; flash_generic, or automatic, beyond the
+/// generic kernel's extents; an invalid kernel value).
 template <class T, class Mask>
 status choose_kernel(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
-                     const Mask& mask, bool& flash, std::string& why) {
-  flash = false;
+                     const Mask& mask, cuda_path& path, std::string& why) {
+  path = cuda_path::naive;
   why.clear();
   switch (pol.kernel) {
     case policy::cuda_kernel::naive:
@@ -288,13 +294,25 @@ status choose_kernel(const policy::cuda& pol, const problem& p, const tensor_ref
     case policy::cuda_kernel::flash_mma_sync:
       if (status st = flash_applies(p, q, k, v, o); !st) return st;
       if (status st = flash_fits_mask(mask, p.head_dim); !st) return st;
-      flash = true;
+      path = cuda_path::flash;
+      return {};
+    case policy::cuda_kernel::flash_generic:
+      if (status st = generic_applies(p); !st) return st;
+      path = cuda_path::generic;
+      why = "policy::cuda{.kernel = flash_generic} asks for the CUDA-core flash kernel";
       return {};
     case policy::cuda_kernel::automatic: {
       const status applies = flash_applies(p, q, k, v, o);
       const status st = applies ? flash_fits_mask(mask, p.head_dim) : applies;
-      flash = st.ok();
-      if (!flash) why = std::string("policy::cuda{.kernel = automatic} runs the naive pipeline: ") + st.what();
+      if (st) {
+        path = cuda_path::flash;
+        return {};
+      }
+      if (status generic = generic_applies(p); !generic) return generic;
+      path = cuda_path::generic;
+      why = std::string("the tensor-core flash kernels do not take this call, so policy::cuda{.kernel = automatic} "
+                        "runs the CUDA-core flash kernel: ") +
+            st.what();
       return {};
     }
   }
@@ -328,7 +346,8 @@ status attend_empty(const problem& p, const tensor_ref<T>& o, float* lse, const 
 }
 
 /// policy::cuda's attend after validation: device-pointer checks, kernel choice (choose_kernel; decode shapes on the
-/// automatic kernel go to cuda.decode, decode_takes), launch.
+/// automatic kernel go to cuda.decode, decode_takes; calls the tensor-core kernels do not take to flash_generic),
+/// launch.
 /// Asynchronous: an error of the kernels themselves shows at the next synchronisation of the stream. `mask` is a
 /// band, or a block-sparse mask whose arrays are already in device memory.
 template <class T, class Mask>
@@ -336,13 +355,16 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
               const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse) {
   if (status st = check_device_pointers(q, k, v, o, lse, mods_of(mask)); !st) return st;
   const auto stream = static_cast<cudaStream_t>(pol.stream);
-  bool flash = false, empty = false;
+  bool empty = false;
+  cuda_path path = cuda_path::naive;
   std::string why;
-  if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return st;
+  if (status st = choose_kernel(pol, p, q, k, v, o, mask, path, why); !st) return st;
   if (status st = attend_empty(p, o, lse, mods_of(mask), stream, empty); !st || empty) return st;
   if constexpr (std::is_same_v<Mask, band_mask>)
     if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask, lse);
-  if (flash) return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
+  if (path == cuda_path::flash)
+    return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
+  if (path == cuda_path::generic) return run_flash_generic(p, q, k, v, o, mask, lse, stream);
   return naive_attention(p, q, k, v, o, mask, lse, stream);
 }
 

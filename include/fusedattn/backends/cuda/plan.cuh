@@ -25,10 +25,10 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
                       const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
                       const Mask& mask, const float* lse, std::size_t layout_bytes) {
   kernel_plan plan;
-  bool flash = false;
+  cuda_path path = cuda_path::naive;
   std::string why;
   if (status st = check_device_pointers(q, k, v, o, lse, mods_of(mask)); !st) return refused_plan(st);
-  if (status st = choose_kernel(pol, p, q, k, v, o, mask, flash, why); !st) return refused_plan(st);
+  if (status st = choose_kernel(pol, p, q, k, v, o, mask, path, why); !st) return refused_plan(st);
   if (p.batch == 0 || p.heads == 0 || p.seq_q == 0) {
     plan.kernel = "cuda.none";
     plan.why = "nothing to compute: batch x heads x seq_q is 0, so nothing is launched";
@@ -47,7 +47,16 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
     plan.fused = true;
     return plan;
   }
-  if (!flash) {
+  if (path == cuda_path::generic) {
+    std::size_t parts = 0;
+    if (status st = generic_scratch_bytes<T>(p, mask, parts); !st) return refused_plan(st);
+    plan.kernel = "cuda.flash_generic";
+    plan.scratch_bytes = layout_bytes + parts;
+    plan.fused = true;
+    plan.why = why;
+    return plan;
+  }
+  if (path == cuda_path::naive) {
     const std::size_t naive = naive_scratch_bytes<T>(p);
     plan.kernel = "cuda.naive";
     plan.scratch_bytes = naive == SIZE_MAX ? SIZE_MAX : naive + layout_bytes;
@@ -83,9 +92,12 @@ namespace detail {
 
 /// fa::plan for policy::cuda (dispatch/plan.hpp calls it after validating the call as attend does): the kernel
 /// attend() would run — "cuda.decode" (decode_takes: GQA decode shapes), "cuda.flash_hopper", "cuda.flash_mma_sync", "cuda.flash_split_kv" (either flash kernel with
-/// the keys split over blocks and the parts merged), "cuda.naive"; "cuda.none" (a zero batch, heads or seq_q: nothing
+/// the keys split over blocks and the parts merged), "cuda.flash_generic" (the CUDA-core kernel: fused, with `why`
+/// the tensor-core kernels do not take the call, or that it was asked for; its split-KV parts as scratch),
+/// "cuda.naive"; "cuda.none" (a zero batch, heads or seq_q: nothing
 /// runs) or "cuda.no_keys" (seq_kv = 0: O = 0, lse = −inf) — its device scratch bytes (split-KV parts; the naive
-/// pipeline's packed copies, S and P; a host block-sparse layout's device copy), and `why` for the naive pipeline.
+/// pipeline's packed copies, S and P; a host block-sparse layout's device copy), and `why` for the naive pipeline
+/// and flash_generic.
 /// `mask` is the bound mask attend's dispatch passes on: band_mask, block_sparse_mask (host arrays) or
 /// cuda::device_block_sparse_mask. Either flash kernel with a mask includes its repair pass (flash_repair_kernel:
 /// returns at once unless the flash kernel raised its flag, 4 bytes of scratch). Not modelled: the Hopper kernel's fallback to mma.sync when the driver refuses a
