@@ -193,7 +193,8 @@ void register_naive_row(const row_spec& r);
 /// The flash kernel's row (policy::cpu<> on the compiler's best xsimd arch), from rows_flash.cpp.
 void register_flash_row(const row_spec& r);
 /// The bf16 flash rows (flash/bf16/..., all-bf16 storage) beside the f32 rows of the same shapes, from
-/// rows_flash.cpp: policy::cpu<cpu::avx512bf16> (vdpbf16ps) where the CPU has AVX512-BF16, else policy::cpu<>.
+/// rows_flash.cpp: policy::cpu<cpu::avx512bf16> (vdpbf16ps) where the CPU has AVX512-BF16, else policy::cpu<>;
+/// and flash_amx/bf16/... (policy::cpu_amx, AMX tiles) where the CPU has AMX.
 /// Quick: the leaderboard shapes with S >= 512, dense, 1 and all threads; full: dense and causal.
 void register_bf16_flash_rows(const plan& pl);
 /// The backward pass's rows (flash_bwd/..., attend_backward on policy::cpu<>), from rows_backward.cpp: S 1024–4096,

@@ -192,7 +192,10 @@ TEST_CASE("lowp: cpu::best picks the best kernel set of this CPU, names it in th
 #else
   const bool dot = false;
 #endif
-  const std::string want = dot ? "cpu.flash<avx512bf16>" : has_avx512() ? "cpu.flash<avx512>" : "";
+  const std::string want = cpu::amx::available() ? "cpu.flash<amx>"
+                           : dot                    ? "cpu.flash<avx512bf16>"
+                           : has_avx512()           ? "cpu.flash<avx512>"
+                                                    : "";
   INFO("plan: " << to_string(pl));
   if (!want.empty()) CHECK(pl.kernel == want);
   CHECK(pl.kernel.find("best") == std::string::npos);

@@ -4,7 +4,7 @@ format with the same counters), so bench/compare.py, bench/plot.py and bench/gpu
 
     python3 bench/peers/torch_peer.py [--device cpu|cuda|all] [--suite bench|gpu|gpu-d64|gpu-d96] [--full]
         [--backends flash,efficient,cudnn,flex] [--flex-budget SECONDS] [--min-time SECONDS] [--repetitions N]
-        [--threads N] [--filter REGEX] [--out FILE]
+        [--threads N] [--cpu-types f32,f16,bf16] [--backward] [--filter REGEX] [--out FILE]
     python3 bench/peers/torch_peer.py --block-sparse DIR [--ours FUSEDATTN.jsonl] [--out FILE]
     python3 bench/peers/torch_peer.py --interleave PATH/fusedattn-tile-sweep [--rounds N] [--shapes "B,H,S,D;..."]
         [--thread-counts 1,16] [--min-time SECONDS] [--repetitions N] [--out FILE]
@@ -16,6 +16,12 @@ Modes:
                  --full adds f32 and the math backend). `--suite gpu`: the shapes of bench/gpu/bench_attention.cu
                  (f16 and bf16, dense and causal); `gpu-d64` its unmasked head_dim 64 sweep, `gpu-d96` its head_dim 96
                  rows. --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
+                 --cpu-types: the CPU rows' storage types (default f32,f16; the first gets 1 and all threads, the
+                 others all threads; bf16 rows sit beside fusedattn-bench's flash/bf16 and flash_amx/bf16 rows).
+                 --backward adds CPU SDPA's backward (f32, dense and causal, 1 and all threads) on the shapes of
+                 fusedattn-bench's flash_bwd rows: `peer_torch_sdpa_cpu_bwd/...`, the time of
+                 torch.autograd.grad(O, (Q, K, V), dO) on a kept graph (the forward not timed), FLOPs 10·b·h·s²·d
+                 × the allowed fraction as the flash_bwd rows count them.
   --block-sparse FlexAttention's block-sparse speed-up on the layouts `bench_gpu OUT.jsonl peer DIR` writes
                  (layout_4096.txt, layout_10000.txt: B 1, H 16, D 128, f16, 128 x 512 blocks, sparsity 0.9), beside
                  dense SDPA (flash, cuDNN) and dense FlexAttention, then the dense kernels on (10,16,1024,128): 1280
@@ -75,6 +81,9 @@ GPU_SHAPES = [(1, 32, 2048, 128, False), (1, 32, 2048, 128, True), (2, 16, 8192,
               (4, 16, 4096, 96, False), (4, 16, 4096, 96, True)]
 GPU_D64_SHAPES = [(8, 32, 512, 64, False), (8, 32, 1024, 64, False), (4, 32, 2048, 64, False),
                   (4, 32, 4096, 64, False), (2, 32, 8192, 64, False)]
+# fusedattn-bench's flash_bwd shapes (bench/rows_backward.cpp).
+BACKWARD = [(1, 8, 1024, 64), (1, 4, 2048, 64), (1, 2, 4096, 64), (1, 8, 1024, 128), (1, 4, 2048, 128),
+            (1, 2, 4096, 128)]
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Largest |error| against the float64 reference accepted per storage type (inputs uniform in [-1, 1)).
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
@@ -364,7 +373,7 @@ def run_suite(args, out):
 
     if want_cpu:
         with torch.inference_mode():
-            for shape, dtype, mask, threads in bench_rows(args.full, args.threads, ["f32", "f16"]):
+            for shape, dtype, mask, threads in bench_rows(args.full, args.threads, args.cpu_types.split(",")):
                 name = "peer_torch_sdpa_cpu/%s/%s/%s/threads:%d" % (dtype, mask, shape_name(*shape), threads)
                 if not keep.search(name):
                     continue
@@ -374,6 +383,9 @@ def run_suite(args, out):
                 density = causal_fraction(shape[2], shape[2]) if causal else 1.0
                 out.add(checked_row(name, attend, [cpu_inputs(shape, dtype)], shape, dtype, mask, threads, density,
                                     "cpu", args))
+
+    if want_cpu and args.backward:
+        run_cpu_backward(args, out, keep)
 
     if want_cuda:
         backends = [b for b in args.backends.split(",") if b]
@@ -407,6 +419,43 @@ def run_suite(args, out):
                         flex_seconds += time.time() - t0
                 del qkv
                 torch.cuda.empty_cache()
+
+
+def run_cpu_backward(args, out, keep):
+    """CPU SDPA's backward on the flash_bwd shapes: f32, dense and causal, 1 and all threads. The gradients are
+    checked first (dV of batch 0, head 0 against float64 autograd of the same inputs); the timed call is
+    torch.autograd.grad on a graph kept from one forward."""
+    for shape in BACKWARD:
+        b, h, s, d = shape
+        for mask in ("dense", "causal"):
+            causal = mask == "causal"
+            density = causal_fraction(s, s) if causal else 1.0
+            for threads in sorted({1, args.threads}):
+                name = "peer_torch_sdpa_cpu_bwd/f32/%s/%s/threads:%d" % (mask, shape_name(*shape), threads)
+                if not keep.search(name):
+                    continue
+                torch.set_num_threads(threads)
+                q, k, v = (x.requires_grad_(True) for x in cpu_inputs(shape, "f32"))
+                g = torch.Generator(device="cpu").manual_seed(4)
+                d_o = torch.rand(b, h, s, d, generator=g) * 2 - 1
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                grads = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
+                q64, k64, v64 = (x[:1, :1].detach().double().requires_grad_(True) for x in (q, k, v))
+                o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+                ref = torch.autograd.grad(o64, (q64, k64, v64), d_o[:1, :1].double())
+                err = max(float((gr[:1, :1].double() - r).abs().max()) for gr, r in zip(grads, ref))
+                if not err <= TOLERANCE["f32"]:
+                    out.add(error_row(name, shape, "f32", mask, threads,
+                                      "max gradient error %.3g against float64 exceeds %.3g" % (err, TOLERANCE["f32"])))
+                    continue
+                seconds, iterations = time_cpu(lambda: torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True),
+                                               args.min_time, args.repetitions)
+                note("%-64s %12.1f us  max_err %.2g" % (name, seconds * 1e6, err))
+                row = bench_row(name, shape, "f32", mask, threads, density, seconds, iterations, err)
+                row["flop"] = 10.0 * b * h * s * s * d * density
+                row["FLOP/s"] = row["flop"] / seconds
+                out.add(row)
+                del o, grads
 
 
 # ----------------------------------------------------------------------------------------- the block-sparse mode
@@ -670,6 +719,10 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.2, help="CPU: seconds per timed run (default 0.2)")
     ap.add_argument("--repetitions", type=int, default=3, help="CPU: timed runs per row, the median kept (default 3)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="suite mode: 'all threads' on the CPU")
+    ap.add_argument("--cpu-types", default="f32,f16",
+                    help="suite mode: the CPU rows' storage types, comma-separated (f32, f16, bf16; default f32,f16)")
+    ap.add_argument("--backward", action="store_true",
+                    help="suite mode: CPU SDPA's backward on fusedattn-bench's flash_bwd shapes (f32)")
     ap.add_argument("--filter", default="", help="suite mode: only rows whose name this regex matches (re.search)")
     ap.add_argument("--out", default="torch_peer.json", help="output JSON file (default torch_peer.json)")
     args = ap.parse_args()

@@ -78,15 +78,13 @@ FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index
 ///   kt: packed Kᵀ panels, each d × (qk_nr·W) contiguous (panel_stride = d·qk_nr·W elements apart).
 /// Panels are the outer loop so one contiguous d × (qk_nr·W) panel stays in L1 while every row block uses it.
 /// Rows go qk_mr at a time, the last rows % qk_mr as one smaller block (a decode row costs one row, not qk_mr).
-/// Under the x86 kernel sets (arch_x86.hpp) the tile runs x86_kernels.hpp's f32 or bf16-pair kernels instead.
+/// Under the x86 kernel sets (arch_x86.hpp) the tile runs x86_kernels.hpp's f32, bf16-pair or AMX kernels instead.
 template <class Acc, class Arch>
 inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t rows, index_t cols, Acc* s,
                     index_t lds) {
 #if FUSEDATTN_X86_KERNELS
-  if constexpr (packs_bf16_pairs_v<Arch>) {
-    return x86::qk_tile_bf16(q, ldq, kt, d, rows, cols, s, lds);
-  } else if constexpr (is_x86_set_v<Arch>) {
-    return x86::qk_tile_f32(q, ldq, kt, d, rows, cols, s, lds);
+  if constexpr (is_x86_set_v<Arch>) {
+    return x86::qk_tile<Arch>(q, ldq, kt, d, rows, cols, s, lds);
   } else
 #endif
   {
@@ -156,15 +154,14 @@ inline void pv_chunk(const Acc* p, index_t ldp, const Acc* v, index_t ldv, index
 ///      contiguous, chunk_stride elements after chunk c − 1.
 /// Chunks are the outer loop so one contiguous keys × vw slice of V stays in L1 while every row block uses it;
 /// the last chunk takes the remaining 1 .. pv_nr−1 vectors. Under the x86 kernel sets the tile runs
-/// x86_kernels.hpp's kernels; the bf16-pair set rounds P to bf16 pairs in place first (P is dead after this step).
+/// x86_kernels.hpp's kernels; the bf16-pair and AMX sets round P to bf16 pairs in place first (P is dead after this
+/// step).
 template <class Acc, class Arch>
 inline void pv_tile(Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, index_t keys, index_t dp,
                     const Acc* alpha, Acc* acc, index_t lda, index_t rows) {
 #if FUSEDATTN_X86_KERNELS
-  if constexpr (packs_bf16_pairs_v<Arch>) {
-    return x86::pv_tile_bf16(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
-  } else if constexpr (is_x86_set_v<Arch>) {
-    return x86::pv_tile_f32(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
+  if constexpr (is_x86_set_v<Arch>) {
+    return x86::pv_tile<Arch>(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
   } else
 #endif
   {

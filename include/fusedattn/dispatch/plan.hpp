@@ -85,9 +85,7 @@ status check_cpu_flash_policy(const policy::cpu<Arch>& pol) {
     if (t[i] < 0)
       return status::invalid(std::string("policy.tiles.") + name[i] + " is " + std::to_string(t[i]) +
                              "; it must be >= 0 (0 chooses by heuristic)");
-  if (!cpu::arch_available<Arch>())
-    return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
-                                   " code of policy::cpu<Arch>; pick an arch it supports"};
+  if (status st = cpu::arch_status<Arch>(); !st) return st;
   return {};
 }
 

@@ -66,8 +66,12 @@ using cpu_avx512_runtime = cpu<::fusedattn::cpu::avx512>;
 /// Flash on AVX512-BF16: Q·Kᵀ and P·V on vdpbf16ps for bf16 storage (f32 accumulation, softmax in f32), the
 /// AVX-512 f32 kernels for the other storage types; built whatever the program's -m flags.
 using cpu_avx512bf16 = cpu<::fusedattn::cpu::avx512bf16>;
+/// Flash on AMX tiles: Q·Kᵀ and P·V on TDPBF16PS for bf16 K and V (bf16 Q/O, or f32 Q/O with Q rounded to bf16;
+/// f32 accumulation, softmax in f32), the AVX-512 f32 kernels for the other storage types; built whatever the
+/// program's -m flags, refused (unsupported) where CPUID or the OS's tile permission says no.
+using cpu_amx = cpu<::fusedattn::cpu::amx>;
 /// Flash on the best kernel set the running CPU supports, chosen at run time (cpu::best): one binary built for
-/// generic x86-64 runs the AVX-512 and AVX512-BF16 kernels where the CPU has them. fa::plan names the choice.
+/// generic x86-64 runs the AVX-512, AVX512-BF16 and AMX kernels where the CPU has them. fa::plan names the choice.
 using cpu_auto = cpu<::fusedattn::cpu::best>;
 #if XSIMD_WITH_NEON64
 /// Flash on ARM NEON (AArch64).

@@ -55,9 +55,7 @@ status flash_attention_kv(const problem& p, const tensor_ref<const T>& q, const 
   if constexpr (std::is_same<Arch, cpu::best>::value)
     return cpu::with_best_arch(
         [&](auto a) { return flash_attention_kv<T, decltype(a)>(p, q, kv, o, mask, lse, threads, tiles); });
-  if (!cpu::arch_available<Arch>())
-    return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
-                                   " code of policy::cpu<Arch>; pick an arch it supports"};
+  if (status st = cpu::arch_status<Arch>(); !st) return st;
   // fusedattn's own arch tags (cpu/arch_x86.hpp): the decode kernel runs on the compiled xsimd arch, the tile loop
   // on the kernel set the tag and the storage types select (cpu::tile_arch).
   using kv_value = std::remove_cv_t<std::remove_pointer_t<decltype(kv.k_row(0, 0, 0))>>;

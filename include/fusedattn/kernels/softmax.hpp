@@ -84,6 +84,24 @@ inline void modify_row(Acc* s, index_t cols, Acc scale, const bound_mods& mods, 
   else run(off{}, on{});
 }
 
+/// online_softmax_row around its two vector passes, which differ per SIMD layer: row_max(s, cols) = max_j s_j (a
+/// NaN skipped) and exp2_row_sum(s, cols, c, m_new), which sets s_j = 2^(c·s_j − m_new) and returns Σ_j s_j. The
+/// state arithmetic is core/online_softmax.hpp's (new_max, update); the all-masked tile is handled here.
+template <class Acc, class RowMax, class ExpSum>
+inline Acc online_softmax_step(Acc* s, index_t cols, Acc c, Acc& m, Acc& l, RowMax&& row_max, ExpSum&& exp2_row_sum) {
+  const Acc m_new = online::new_max(m, row_max(s, cols) * c);
+  if (m_new == -std::numeric_limits<Acc>::infinity()) {
+    bool saw_nan = false;
+    for (index_t j = 0; j < cols; ++j) {
+      saw_nan |= std::isnan(s[j]);
+      s[j] = Acc(0);
+    }
+    if (saw_nan) l = std::numeric_limits<Acc>::quiet_NaN();
+    return Acc(1);
+  }
+  return online::update(m, l, m_new, exp2_row_sum(s, cols, c, m_new));  // α = 0 when m = −inf: nothing accumulated yet
+}
+
 /// One online-softmax step for one row of a tile (the state update is online::update).
 ///   s: the row's raw scores q·k_j, `cols` of them (a multiple of the vector width); keys the mask forbids, and
 ///      padding columns, hold −inf. On return s holds p_j = 2^(c·s_j − m_new).
@@ -101,36 +119,31 @@ inline void modify_row(Acc* s, index_t cols, Acc scale, const bound_mods& mods, 
 template <class Acc, class Arch>
 inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
 #if FUSEDATTN_X86_KERNELS
-  if constexpr (cpu::is_x86_set_v<Arch>) return cpu::x86::online_softmax_row(s, cols, c, m, l);  // the same, 16 lanes
+  if constexpr (cpu::is_x86_set_v<Arch>)  // the same two passes on 16 lanes, compiled for AVX-512
+    return online_softmax_step(s, cols, c, m, l, cpu::x86::row_max, cpu::x86::exp2_row_sum);
 #endif
   using V = cpu::simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
-  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   // Row max of the raw scores (c > 0 keeps the order), vectorised; a NaN score is skipped (see above).
-  vec vmax = V::broadcast(neg_inf);
-  for (index_t j = 0; j < cols; j += W) vmax = V::max(V::load(s + j), vmax);
-  const Acc tile_max = V::reduce_max(vmax) * c;
-  const Acc m_new = online::new_max(m, tile_max);
-  if (m_new == neg_inf) {
-    bool saw_nan = false;
-    for (index_t j = 0; j < cols; ++j) {
-      saw_nan |= std::isnan(s[j]);
-      s[j] = Acc(0);
-    }
-    if (saw_nan) l = std::numeric_limits<Acc>::quiet_NaN();
-    return Acc(1);
-  }
+  const auto row_max = [](const Acc* x, index_t n) {
+    vec vmax = V::broadcast(-std::numeric_limits<Acc>::infinity());
+    for (index_t j = 0; j < n; j += W) vmax = V::max(V::load(x + j), vmax);
+    return V::reduce_max(vmax);
+  };
   // p_j = 2^(c·s_j − m_new), fused with the row sum.
-  const vec vc = V::broadcast(c);
-  const vec neg_m = V::broadcast(-m_new);
-  vec vsum = V::broadcast(Acc(0));
-  for (index_t j = 0; j < cols; j += W) {
-    const vec p = V::exp2(V::fma(V::load(s + j), vc, neg_m));
-    V::store(s + j, p);
-    vsum = V::add(vsum, p);
-  }
-  return online::update(m, l, m_new, V::reduce_add(vsum));  // α = 0 when m = −inf: nothing accumulated yet
+  const auto exp2_row_sum = [](Acc* x, index_t n, Acc c_, Acc m_new) {
+    const vec vc = V::broadcast(c_);
+    const vec neg_m = V::broadcast(-m_new);
+    vec vsum = V::broadcast(Acc(0));
+    for (index_t j = 0; j < n; j += W) {
+      const vec p = V::exp2(V::fma(V::load(x + j), vc, neg_m));
+      V::store(x + j, p);
+      vsum = V::add(vsum, p);
+    }
+    return V::reduce_add(vsum);
+  };
+  return online_softmax_step(s, cols, c, m, l, row_max, exp2_row_sum);
 }
 
 }  // namespace kernels
