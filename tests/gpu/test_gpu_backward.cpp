@@ -11,6 +11,7 @@
 
 #include "backward_entry.hpp"
 #include "gpu_entry.hpp"
+#include "support/backward_check.hpp"
 #include "support/check.hpp"
 #include "support/oracle_backward.hpp"
 
@@ -19,37 +20,13 @@ using namespace fusedattn::testing;
 
 namespace {
 
-/// One backward case: q, k, v, dO random; O and lse from the CPU forward; dQ, dK, dV filled with a sentinel.
-template <class T>
-struct bwd_case {
-  problem p;
-  operand<T> q, k, v, o, d_o, dq, dk, dv;
-  std::vector<float> lse;
-  bwd_case(const problem& pr, layout l, std::mt19937_64& rng)
-      : p(pr), q(pr.q_dims(), l), k(pr.kv_dims(), l), v(pr.kv_dims(), l), o(pr.o_dims(), l), d_o(pr.o_dims(), l),
-        dq(pr.q_dims(), l), dk(pr.kv_dims(), l), dv(pr.kv_dims(), l),
-        lse(static_cast<std::size_t>(pr.lse_size()), 123.0f) {
-    q.fill(rng);
-    k.fill(rng);
-    v.fill(rng);
-    d_o.fill(rng);
-    o.fill(rng, 7.0, 9.0);
-    for (operand<T>* g : {&dq, &dk, &dv}) g->fill(rng, 7.0, 9.0);
-  }
-  void forward(const any_mask& mask) {
-    const status st = attend(policy::cpu<>{2}, p, q.cview(), k.cview(), v.cview(), o.view, mask, lse.data());
-    INFO(st.what());
-    REQUIRE(st.ok());
-  }
-};
-
 /// Device copies of a case's buffers and the views over them; `read` copies dQ, dK, dV back into the case.
 template <class T>
 struct bwd_device {
-  bwd_case<T>& c;
+  backward_case<T>& c;
   gpu::device_buffer<T> q, k, v, o, d_o, dq, dk, dv;
   gpu::device_buffer<float> lse;
-  explicit bwd_device(bwd_case<T>& ca)
+  explicit bwd_device(backward_case<T>& ca)
       : c(ca), q(ca.q.buf), k(ca.k.buf), v(ca.v.buf), o(ca.o.buf), d_o(ca.d_o.buf), dq(ca.dq.buf), dk(ca.dk.buf),
         dv(ca.dv.buf), lse(ca.lse) {}
   bool ok() const {
@@ -137,31 +114,12 @@ reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q
   return g;
 }
 
-double max_magnitude(const std::vector<double>& x) {
-  double m = 0;
-  for (double e : x) m = std::max(m, std::abs(e));
-  return m;
-}
-
-/// FlashAttention's rule: error <= 2 × the plain 16-bit implementation's error against float64, plus a floor of a
-/// few units of roundoff of T relative to the gradient's size (the plain error can be lucky).
-template <class T>
-void check_gradient(const char* name, const tensor_ref<T>& got, const std::vector<double>& oracle,
-                    const std::vector<double>& plain) {
-  double plain_err = 0;
-  for (std::size_t i = 0; i < oracle.size(); ++i) plain_err = std::max(plain_err, std::abs(plain[i] - oracle[i]));
-  const double tol = 2.0 * plain_err + 8.0 * epsilon<T>() * std::max(1.0, max_magnitude(oracle));
-  const double err = max_abs_error(got, oracle);
-  INFO(name << ": error " << err << " plain error " << plain_err << " tolerance " << tol);
-  CHECK(err <= tol);
-}
-
 /// Forward on the CPU, backward on the device, gradients against the float64 closed form.
 template <class T>
 void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool uploaded = false) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
-  bwd_case<T> c(p, l, rng);
+  backward_case<T> c(p, l, rng);
   INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << layout_name(l)
                         << (uploaded ? " (device layout)" : "") << " seed=" << seed);
   c.forward(mask);
@@ -174,17 +132,7 @@ void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool u
   INFO(sync.what());
   REQUIRE(sync.ok());
   dev.read();
-  std::visit(
-      [&](const auto& m) {
-        const auto bound = bind(m, p);
-        const reference_grads ref = reference_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.d_o.cview(), bound);
-        const reference_grads plain = plain_backward_16(p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.cview(),
-                                                        c.d_o.cview(), c.lse.data(), bound);
-        check_gradient("dq", c.dq.view, ref.dq, plain.dq);
-        check_gradient("dk", c.dk.view, ref.dk, plain.dk);
-        check_gradient("dv", c.dv.view, ref.dv, plain.dv);
-      },
-      mask);
+  check_gradients(c, mask, [](const auto&... a) { return plain_backward_16(a...); });
 }
 
 }  // namespace
@@ -225,7 +173,7 @@ TEST_CASE("cuda backward is deterministic: bitwise the same dQ, dK, dV on every 
   using T = Eigen::bfloat16;
   std::mt19937_64 rng(fresh_seed());
   for (const any_mask& mask : {any_mask{dense{}}, any_mask{causal{align::bottom_right}}}) {
-    bwd_case<T> c(problem{2, 8, 2, 777, 900, 128}, layout::bhsd, rng);
+    backward_case<T> c(problem{2, 8, 2, 777, 900, 128}, layout::bhsd, rng);
     c.forward(mask);
     std::vector<T> first[3];
     for (int run = 0; run < 3; ++run) {
@@ -247,7 +195,7 @@ TEST_CASE("cuda backward: zero extents write zeros where gradients exist, nothin
   using T = Eigen::half;
   std::mt19937_64 rng(fresh_seed());
   {  // seq_q = 0: no query sees a key, dK = dV = 0 (lse has no element; any device pointer will do)
-    bwd_case<T> c(problem{1, 2, 1, 0, 50, 64}, layout::bhsd, rng);
+    backward_case<T> c(problem{1, 2, 1, 0, 50, 64}, layout::bhsd, rng);
     bwd_device<T> dev(c);
     const gpu::device_buffer<float> lse(std::vector<float>(1, 0.f));
     REQUIRE(lse.ok());
@@ -263,7 +211,7 @@ TEST_CASE("cuda backward: zero extents write zeros where gradients exist, nothin
     for (const auto& x : c.dv.buf) CHECK(static_cast<float>(x) == 0.f);
   }
   {  // seq_kv = 0: every row saw no key (lse = −inf), dQ = 0
-    bwd_case<T> c(problem{1, 2, 1, 40, 0, 64}, layout::bhsd, rng);
+    backward_case<T> c(problem{1, 2, 1, 40, 0, 64}, layout::bhsd, rng);
     c.forward(dense{});
     bwd_device<T> dev(c);
     REQUIRE(dev.run(dense{}).ok());
@@ -276,7 +224,7 @@ TEST_CASE("cuda backward: zero extents write zeros where gradients exist, nothin
 TEST_CASE("cuda backward: bad input and unsupported calls are statuses, nothing written", "[gpu][backward][errors]") {
   std::mt19937_64 rng(fresh_seed());
   using T = Eigen::half;
-  bwd_case<T> c(problem{1, 2, 1, 64, 64, 64}, layout::bhsd, rng);
+  backward_case<T> c(problem{1, 2, 1, 64, 64, 64}, layout::bhsd, rng);
   c.forward(dense{});
   const std::vector<T> dq0 = c.dq.buf, dk0 = c.dk.buf, dv0 = c.dv.buf;
   bwd_device<T> dev(c);
@@ -319,11 +267,11 @@ TEST_CASE("cuda backward: bad input and unsupported calls are statuses, nothing 
   CHECK(unchanged(c.dv.buf, dv0));
 
   // f32 and head_dim 256: unsupported, nothing written.
-  bwd_case<float> cf(problem{1, 1, 1, 16, 16, 32}, layout::bhsd, rng);
+  backward_case<float> cf(problem{1, 1, 1, 16, 16, 32}, layout::bhsd, rng);
   const std::vector<float> dqf0 = cf.dq.buf;
   bwd_device<float> devf(cf);
   expect_refused(devf.run(dense{}), errc::unsupported, "f16 and bf16");
-  bwd_case<T> c256(problem{1, 1, 1, 16, 16, 256}, layout::bhsd, rng);
+  backward_case<T> c256(problem{1, 1, 1, 16, 16, 256}, layout::bhsd, rng);
   const std::vector<T> dq256 = c256.dq.buf;
   bwd_device<T> dev256(c256);
   expect_refused(dev256.run(dense{}), errc::unsupported, "head_dim");

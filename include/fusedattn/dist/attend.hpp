@@ -309,7 +309,10 @@ status gather_kv(ring_link<Comm, Exec>& link, status& st, const problem& g, cons
   const problem lp = shard_problem(g, n);
   const index_t kv_elems = lp.batch * lp.heads_kv * lp.seq_kv * lp.head_dim;
   auto slot = [&](int s) { return slots + index_t(s) * 2 * kv_elems; };
-  if (st) st = pack_kv(link.ex, k, v, slot(r), lp);
+  if (st) {
+    const status packed = pack_kv(link.ex, k, v, slot(r), lp);
+    st = packed;
+  }
   if (opt.parts.communicate)
     for (int i = 0; i + 1 < n; ++i) {
       typename Comm::request req{};
@@ -327,7 +330,8 @@ status gather_kv(ring_link<Comm, Exec>& link, status& st, const problem& g, cons
     for (int p = 0; p < (opt.layout == layout::zigzag ? 2 : 1) && st; ++p) {
       const row_range rr = shard_piece(opt.layout, g.seq_kv, n, s, p);
       const status sk = link.ex.copy(rows_of(ks, local, rr.size()), rows_of(gk_view, rr.begin, rr.size()));
-      st = sk ? link.ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())) : sk;
+      const status sv = sk ? link.ex.copy(rows_of(vs, local, rr.size()), rows_of(gv_view, rr.begin, rr.size())) : sk;
+      st = sv;
       local += rr.size();
     }
   }

@@ -62,36 +62,36 @@ inline status trim_device_buffers() {
 
 namespace detail {
 
-/// Rows a block of copy_rows_kernel copies at once: one warp per row.
-constexpr int copy_rows_per_block = 8;
+/// Rows a block of rows_kernel walks at once: one warp per row.
+constexpr int rows_per_block = 8;
 
-/// dst = src, converted: one warp per row (lanes over the row's elements, so a row of 128 half values is one
-/// 256-byte transaction), the blocks striding over rows (a K/V shard has millions of short rows).
-template <class S, class D>
-__global__ void copy_rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst) {
-  const index_t rows = src.dims.b * src.dims.h * src.dims.s;
-  const int lane = threadIdx.x % 32;
-  for (index_t row = index_t(blockIdx.x) * copy_rows_per_block + threadIdx.x / 32; row < rows;
-       row += index_t(gridDim.x) * copy_rows_per_block) {
-    const index_t i = row % src.dims.s, h = row / src.dims.s % src.dims.h, b = row / src.dims.s / src.dims.h;
-    const S* a = src.row(b, h, i);
-    D* o = dst.row(b, h, i);
-    for (index_t c = lane; c < src.dims.d; c += 32) o[c] = cuda_backend::narrow<D>(cuda_backend::widen(a[c]));
+/// The element operations of rows_kernel: dst = src, converted; dst += src, summed in dst's type.
+struct assign_op {
+  template <class D, class S>
+  __device__ __forceinline__ void operator()(D& o, const S& a) const {
+    o = cuda_backend::narrow<D>(cuda_backend::widen(a));
   }
-}
+};
+struct add_op {
+  template <class D, class S>
+  __device__ __forceinline__ void operator()(D& o, const S& a) const {
+    o = cuda_backend::narrow<D>(cuda_backend::widen(o) + cuda_backend::widen(a));
+  }
+};
 
-/// dst += src, summed in dst's type: the layout of copy_rows_kernel.
-template <class S, class D>
-__global__ void add_rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst) {
+/// op(dst element, src element) over two views of the same extents: one warp per row (lanes over the row's
+/// elements, so a row of 128 half values is one 256-byte transaction), the blocks striding over rows (a K/V shard
+/// has millions of short rows).
+template <class S, class D, class Op>
+__global__ void rows_kernel(tensor_ref<const S> src, tensor_ref<D> dst, Op op) {
   const index_t rows = src.dims.b * src.dims.h * src.dims.s;
   const int lane = threadIdx.x % 32;
-  for (index_t row = index_t(blockIdx.x) * copy_rows_per_block + threadIdx.x / 32; row < rows;
-       row += index_t(gridDim.x) * copy_rows_per_block) {
+  for (index_t row = index_t(blockIdx.x) * rows_per_block + threadIdx.x / 32; row < rows;
+       row += index_t(gridDim.x) * rows_per_block) {
     const index_t i = row % src.dims.s, h = row / src.dims.s % src.dims.h, b = row / src.dims.s / src.dims.h;
     const S* a = src.row(b, h, i);
     D* o = dst.row(b, h, i);
-    for (index_t c = lane; c < src.dims.d; c += 32)
-      o[c] = cuda_backend::narrow<D>(cuda_backend::widen(o[c]) + cuda_backend::widen(a[c]));
+    for (index_t c = lane; c < src.dims.d; c += 32) op(o[c], a[c]);
   }
 }
 
@@ -130,30 +130,16 @@ class cuda_exec {
     return {};
   }
 
+  /// dst = src element by element, converted; both views have the same extents.
   template <class S, class D>
   status copy(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
-    using ES = cuda_backend::device_t<S>;
-    using ED = cuda_backend::device_t<D>;
-    const index_t rows = src.dims.b * src.dims.h * src.dims.s;
-    if (rows == 0) return {};
-    const tensor_ref<const ES> s{reinterpret_cast<const ES*>(src.data), src.dims, src.stride};
-    const tensor_ref<ED> d{reinterpret_cast<ED*>(dst.data), dst.dims, dst.stride};
-    const index_t blocks = std::min<index_t>((rows + copy_rows_per_block - 1) / copy_rows_per_block, index_t(1) << 20);
-    copy_rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * copy_rows_per_block, 0, stream_>>>(s, d);
-    return cuda_backend::last_launch("fusedattn::dist copy");
+    return each_element(src, dst, assign_op{}, "fusedattn::dist copy");
   }
 
+  /// dst += src element by element, summed in dst's type; both views have the same extents.
   template <class S, class D>
   status add(const tensor_ref<S>& src, const tensor_ref<D>& dst) {
-    using ES = cuda_backend::device_t<S>;
-    using ED = cuda_backend::device_t<D>;
-    const index_t rows = src.dims.b * src.dims.h * src.dims.s;
-    if (rows == 0) return {};
-    const tensor_ref<const ES> s{reinterpret_cast<const ES*>(src.data), src.dims, src.stride};
-    const tensor_ref<ED> d{reinterpret_cast<ED*>(dst.data), dst.dims, dst.stride};
-    const index_t blocks = std::min<index_t>((rows + copy_rows_per_block - 1) / copy_rows_per_block, index_t(1) << 20);
-    add_rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * copy_rows_per_block, 0, stream_>>>(s, d);
-    return cuda_backend::last_launch("fusedattn::dist add");
+    return each_element(src, dst, add_op{}, "fusedattn::dist add");
   }
 
   template <class U>
@@ -185,6 +171,20 @@ class cuda_exec {
   status synchronize() { return cuda_backend::from_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
  private:
+  /// rows_kernel with `op` on the stream; `what` names the launch in its error.
+  template <class S, class D, class Op>
+  status each_element(const tensor_ref<S>& src, const tensor_ref<D>& dst, Op op, const char* what) {
+    using ES = cuda_backend::device_t<S>;
+    using ED = cuda_backend::device_t<D>;
+    const index_t rows = src.dims.b * src.dims.h * src.dims.s;
+    if (rows == 0) return {};
+    const tensor_ref<const ES> s{reinterpret_cast<const ES*>(src.data), src.dims, src.stride};
+    const tensor_ref<ED> d{reinterpret_cast<ED*>(dst.data), dst.dims, dst.stride};
+    const index_t blocks = std::min<index_t>((rows + rows_per_block - 1) / rows_per_block, index_t(1) << 20);
+    rows_kernel<ES, ED><<<static_cast<unsigned>(blocks), 32 * rows_per_block, 0, stream_>>>(s, d, op);
+    return cuda_backend::last_launch(what);
+  }
+
   cudaStream_t stream_;
   std::vector<void*> blocks_;
 };
