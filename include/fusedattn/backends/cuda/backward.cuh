@@ -103,18 +103,6 @@ R with_backward_tile(index_t head_dim, R otherwise, F&& f) {
   return f(backward_tile<128>{});
 }
 
-/// Block-wide cp.async of rows [0, Rows) of a tile (row r at `g + r·stride_s`) into swizzled shared memory; rows at
-/// and past `valid` and 16-byte chunks at and past `valid_chunks` (a head_dim narrower than the tile's) are
-/// zero-filled and not read.
-template <class Tile, int Rows, class E>
-__device__ __forceinline__ void backward_load(E* smem, const E* g, index_t stride_s, int valid, int valid_chunks) {
-  for (int c = threadIdx.x; c < Rows * Tile::chunks; c += Tile::threads) {
-    const int r = c / Tile::chunks, ch = c % Tile::chunks;
-    const bool ok = r < valid && ch < valid_chunks;
-    cp_async_16(smem + swizzle<Tile::chunks>(r, ch), g + (ok ? r : 0) * stride_s + (ok ? ch : 0) * 8, ok);
-  }
-}
-
 /// δ of each query row: one warp a row, eight rows a block; the warp's sum is reduced in a fixed order. A row that
 /// saw no key (lse = −inf) gets δ = 0, so that its P = 0 gives dS = 0 whatever its O holds.
 template <class E, class Mask>
@@ -254,18 +242,18 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
   const int cols_ch = p.head_dim / 8;
   const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
   const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
-  backward_load<Tile, BN>(sk, k_head + k0 * p.k_stride.s, p.k_stride.s, k1 - k0, cols_ch);
-  backward_load<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, k1 - k0, cols_ch);
+  load_tile<Tile, BN>(sk, k_head + k0 * p.k_stride.s, p.k_stride.s, k1 - k0, cols_ch);
+  load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, k1 - k0, cols_ch);
 
   // Q, dO (cp.async) and the rows' lse·log2e and δ (plain stores, seen after the next barrier) of one q tile.
   const auto load_q_tile = [&](int stage, int h, int q0) {
     const int rows = q0 + BM < p.seq_q ? BM : p.seq_q - q0;
-    backward_load<Tile, BM>(sq + stage * BM * D,
-                        static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
-                        p.q_stride.s, rows, cols_ch);
-    backward_load<Tile, BM>(sdo + stage * BM * D,
-                        static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
-                        p.do_stride.s, rows, cols_ch);
+    load_tile<Tile, BM>(sq + stage * BM * D,
+                    static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                    p.q_stride.s, rows, cols_ch);
+    load_tile<Tile, BM>(sdo + stage * BM * D,
+                    static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                    p.do_stride.s, rows, cols_ch);
     for (int r = threadIdx.x; r < BM; r += Tile::threads) {
       const index_t row = (index_t(b) * p.heads + h) * p.seq_q + q0 + r;
       const float l = r < rows ? p.lse[row] : -INFINITY;
@@ -385,14 +373,14 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
   const band32 rule = element_rule(mask);
   const int k_first = tiles.first(0, 1);
 
-  backward_load<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
-                      p.q_stride.s, q1 - q0, cols_ch);
-  backward_load<Tile, BM>(sdo, static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
-                      p.do_stride.s, q1 - q0, cols_ch);
+  load_tile<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                  p.q_stride.s, q1 - q0, cols_ch);
+  load_tile<Tile, BM>(sdo, static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                  p.do_stride.s, q1 - q0, cols_ch);
   if (k_first >= 0) {
     const int rows = rows_left(k_first, p.seq_kv, BN);
-    backward_load<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows, cols_ch);
-    backward_load<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+    load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows, cols_ch);
   }
   cp_async_commit();
 
@@ -418,8 +406,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
     k_next = tiles.next(k0);
     if (k_next >= 0) {
       const int rows = rows_left(k_next, p.seq_kv, BN);
-      backward_load<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
-      backward_load<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+      load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
+      load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
       cp_async_commit();
     }
 
@@ -520,31 +508,22 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
     const status no_tile{errc::unsupported, "problem.head_dim: the CUDA backward kernel has no tile for it"};
     return with_backward_tile(p.head_dim, no_tile, [&](auto tile) -> status {
       using Tile = decltype(tile);
-      if (p.seq_kv > 0) {
-        const auto kernel = backward_dkdv_kernel<E, Tile, Mask>;
-        if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       Tile::dkdv_smem),
-                                  "cudaFuncSetAttribute(backward_dkdv_kernel)");
-            !st)
-          return st;
-        const dim3 grid(unsigned((p.seq_kv + Tile::block_kv - 1) / Tile::block_kv), unsigned(p.heads_kv),
-                        unsigned(p.batch));
-        kernel<<<grid, Tile::threads, Tile::dkdv_smem, stream>>>(bp);
-        if (status st = last_launch("backward_dkdv_kernel"); !st) return st;
-      }
-      if (p.seq_q > 0) {
-        const auto kernel = backward_dq_kernel<E, Tile, Mask>;
-        if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       Tile::dq_smem),
-                                  "cudaFuncSetAttribute(backward_dq_kernel)");
-            !st)
-          return st;
-        const dim3 grid(unsigned((p.seq_q + Tile::block_q - 1) / Tile::block_q), unsigned(p.heads),
-                        unsigned(p.batch));
-        kernel<<<grid, Tile::threads, Tile::dq_smem, stream>>>(bp);
-        if (status st = last_launch("backward_dq_kernel"); !st) return st;
-      }
-      return {};
+      // One block per kv tile (dK, dV), then one per q tile (dQ), each on its dynamic shared memory.
+      const auto launch = [&](auto kernel, int smem, index_t rows, int tile_rows, int heads,
+                              const char* name) -> status {
+        if (rows == 0) return {};
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return from_cuda(e, ("cudaFuncSetAttribute(" + std::string(name) + ")").c_str());
+        const dim3 grid(unsigned((rows + tile_rows - 1) / tile_rows), unsigned(heads), unsigned(p.batch));
+        kernel<<<grid, Tile::threads, smem, stream>>>(bp);
+        return last_launch(name);
+      };
+      if (status st = launch(backward_dkdv_kernel<E, Tile, Mask>, Tile::dkdv_smem, p.seq_kv, Tile::block_kv,
+                             int(p.heads_kv), "backward_dkdv_kernel");
+          !st)
+        return st;
+      return launch(backward_dq_kernel<E, Tile, Mask>, Tile::dq_smem, p.seq_q, Tile::block_q, int(p.heads),
+                    "backward_dq_kernel");
     });
   } else {
     return {errc::unsupported,
