@@ -188,11 +188,14 @@ TEMPLATE_TEST_CASE("cuda naive matches the float64 oracle", "[gpu][naive]", floa
 
 TEMPLATE_TEST_CASE("cuda automatic: flash where it applies, flash_generic elsewhere, both right", "[gpu][automatic]",
                    Eigen::half, Eigen::bfloat16, float) {
-  // padded rows (stride d + 3), head_dim 20 and f32 take flash_generic; bhsd 16-bit with head_dim 128 or 80 flash.
+  // head_dim 20 and f32 take flash_generic; 16-bit padded rows (stride d + 3) flash on aligned copies; bhsd flash.
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 1, 100, 130, 128}, layout::padded, causal{});
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 80}, layout::bhsd, dense{});
   check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 2, 100, 130, 20}, layout::bhsd, dense{});
   check_gpu<TestType>(cuda_kernel::automatic, {2, 2, 2, 100, 130, 128}, layout::bhsd, window{7, 2});
+  // rows of stride d + 3 at head_dims of the Hopper tiles: 16-bit types on aligned copies, f32 on flash_generic
+  check_gpu<TestType>(cuda_kernel::automatic, {1, 4, 2, 129, 300, 72}, layout::padded, causal{align::bottom_right});
+  check_gpu<TestType>(cuda_kernel::automatic, {1, 2, 1, 300, 77, 160}, layout::padded, window{30, 5});
 }
 
 TEMPLATE_TEST_CASE("cuda flash == naive on larger shapes", "[gpu][flash][naive]", Eigen::half, Eigen::bfloat16) {

@@ -272,9 +272,68 @@ status check_device_pointers(const tensor_ref<const T>& q, const tensor_ref<cons
   return {};
 }
 
-/// The kernel family of a call: the tensor-core flash kernels (with cuda.decode for GQA decode shapes), the CUDA-core
-/// flash kernel (flash_generic.cuh), or the naive pipeline.
-enum class cuda_path { flash, generic, naive };
+/// Contiguous bhsd views of a problem's Q, K, V and O at the given addresses (null: geometry only).
+template <class T>
+struct packed_views {
+  tensor_ref<const T> q, k, v;
+  tensor_ref<T> o;
+  packed_views(const problem& p, T* qc, T* kc, T* vc, T* oc)
+      : q(bhsd<const T>(qc, p.q_dims())), k(bhsd<const T>(kc, p.kv_dims())), v(bhsd<const T>(vc, p.kv_dims())),
+        o(bhsd<T>(oc, p.o_dims())) {}
+};
+
+/// True when the tensor-core flash kernels refuse a call only for its views' alignment (a base address or a stride
+/// that is not a multiple of 16 bytes) and take the same call on contiguous copies: run_flash_packed.
+template <class T, class Mask>
+bool flash_takes_packed(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                        const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask) {
+  if (flash_aligned(q) && flash_aligned(k) && flash_aligned(v) && flash_aligned(o)) return false;
+  const packed_views<T> c(p, nullptr, nullptr, nullptr, nullptr);
+  return flash_applies(p, c.q, c.k, c.v, c.o).ok() && flash_fits_mask(mask, p.head_dim).ok();
+}
+
+/// Device scratch bytes of run_flash_packed: the contiguous copies of Q, K, V and O (O(S), the inputs' size).
+template <class T>
+std::size_t packed_scratch_bytes(const problem& p) {
+  return std::size_t(2 * p.batch * p.heads * p.seq_q + 2 * p.batch * p.heads_kv * p.seq_kv) *
+         std::size_t(p.head_dim) * sizeof(T);
+}
+
+/// The tensor-core flash kernels on views they refuse for alignment only (flash_takes_packed): Q, K and V copied
+/// into contiguous buffers from the scratch pool (one element-wise pass each), flash into a contiguous O, and O
+/// copied out to its strides. Memory stays O(S); the copies cost one pass over the inputs and O.
+template <class T, class Mask>
+status run_flash_packed(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                        const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
+                        cudaStream_t stream) {
+  using E = device_t<T>;
+  const index_t n_q = p.batch * p.heads * p.seq_q * p.head_dim, n_kv = p.batch * p.heads_kv * p.seq_kv * p.head_dim;
+  scratch_arena arena(stream);
+  E *qc = nullptr, *kc = nullptr, *vc = nullptr, *oc = nullptr;
+  if (status st = arena.allocate(qc, n_q, "aligned copy of Q"); !st) return st;
+  if (status st = arena.allocate(kc, n_kv, "aligned copy of K"); !st) return st;
+  if (status st = arena.allocate(vc, n_kv, "aligned copy of V"); !st) return st;
+  if (status st = arena.allocate(oc, n_q, "aligned O"); !st) return st;
+  const auto device_view = [](const auto& t) {
+    using X = std::remove_pointer_t<decltype(t.data)>;
+    using D = std::conditional_t<std::is_const_v<X>, const E, E>;
+    return tensor_ref<D>{reinterpret_cast<D*>(t.data), t.dims, t.stride};
+  };
+  pack_kernel<<<elementwise_grid(n_q), 256, 0, stream>>>(device_view(q), qc, n_q);
+  pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(device_view(k), kc, n_kv);
+  pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(device_view(v), vc, n_kv);
+  if (status st = last_launch("pack_kernel"); !st) return st;
+  const packed_views<T> c(p, reinterpret_cast<T*>(qc), reinterpret_cast<T*>(kc), reinterpret_cast<T*>(vc),
+                          reinterpret_cast<T*>(oc));
+  if (status st = run_flash(p, c.q, c.k, c.v, c.o, mask, lse, stream); !st) return st;
+  unpack_kernel<<<elementwise_grid(n_q), 256, 0, stream>>>(static_cast<const E*>(oc), device_view(o), n_q);
+  return last_launch("unpack_kernel");
+}
+
+/// The kernel family of a call: the tensor-core flash kernels (with cuda.decode for GQA decode shapes), the same on
+/// aligned copies of views they refuse for alignment only (run_flash_packed), the CUDA-core flash kernel
+/// (flash_generic.cuh), or the naive pipeline.
+enum class cuda_path { flash, packed, generic, naive };
 
 /// What policy::cuda's `kernel` picks for a call (the one choice attend and plan_run share), with `why` saying why
 /// when it is not the tensor-core kernel (automatic's reason for flash_generic, or the kernel asked for). Not ok when
@@ -306,6 +365,13 @@ status choose_kernel(const policy::cuda& pol, const problem& p, const tensor_ref
       const status st = applies ? flash_fits_mask(mask, p.head_dim) : applies;
       if (st) {
         path = cuda_path::flash;
+        return {};
+      }
+      if (flash_takes_packed(p, q, k, v, o, mask)) {
+        path = cuda_path::packed;
+        why = std::string("policy::cuda{.kernel = automatic} runs the tensor-core flash kernels on aligned copies of "
+                          "Q, K, V and O (scratch of their size): ") +
+              st.what();
         return {};
       }
       if (status generic = generic_applies(p); !generic) return generic;
@@ -364,6 +430,7 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
     if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask, lse);
   if (path == cuda_path::flash)
     return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
+  if (path == cuda_path::packed) return run_flash_packed(p, q, k, v, o, mask, lse, stream);
   if (path == cuda_path::generic) return run_flash_generic(p, q, k, v, o, mask, lse, stream);
   return naive_attention(p, q, k, v, o, mask, lse, stream);
 }

@@ -195,7 +195,7 @@ class scratch_arena {
   status allocate(X*& out, index_t count, const char* what) {
     void* ptr = nullptr;
     if (status st = scratch_allocate(ptr, std::size_t(count) * sizeof(X), stream_, "cudaMallocFromPoolAsync"); !st)
-      return {st.code(), std::string("naive CUDA pipeline: cannot allocate ") + what + " (" +
+      return {st.code(), std::string("CUDA scratch: cannot allocate ") + what + " (" +
                              std::to_string(count * index_t(sizeof(X))) + " bytes): " + st.what()};
     blocks_.push_back(ptr);
     out = static_cast<X*>(ptr);
@@ -282,6 +282,12 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
   pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(ve, vc, n_kv, v_nonfinite);
   if (status st = last_launch("pack_kernel"); !st) return st;
 
+  // S is zero-filled first although the GEMM (beta = 0) writes every element: compute-sanitizer's initcheck does not
+  // see the stores of cuBLAS's Hopper GEMM kernels and would report softmax_kernel's reads of S as reads of
+  // uninitialised memory. One memset of S costs less than a quarter of the pipeline's traffic over S and P.
+  if (status st = from_cuda(cudaMemsetAsync(sc, 0, std::size_t(n_s) * sizeof(A), stream), "cudaMemsetAsync(scores S)");
+      !st)
+    return st;
   // Column-major view: S_batchᵀ (s_kv × rows) = K_cmᵀ · Q_cm, with K_cm (d × s_kv) and Q_cm (d × rows).
   const A one = 1, zero = 0;
   const int d = int(pr.head_dim), n_kv_rows = int(pr.seq_kv), n_rows = int(rows), batches = int(pr.batch * pr.heads_kv);

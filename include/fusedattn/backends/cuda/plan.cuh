@@ -83,6 +83,10 @@ kernel_plan plan_cuda(const policy::cuda& pol, const problem& p, const tensor_re
       });
   if (!described) return refused_plan(described);
   plan.fused = true;
+  if (path == cuda_path::packed) {  // the same kernels on aligned copies of Q, K, V and O
+    plan.scratch_bytes += packed_scratch_bytes<T>(p);
+    plan.why = why;
+  }
   return plan;
 }
 
@@ -96,8 +100,9 @@ namespace detail {
 /// the tensor-core kernels do not take the call, or that it was asked for; its split-KV parts as scratch),
 /// "cuda.naive"; "cuda.none" (a zero batch, heads or seq_q: nothing
 /// runs) or "cuda.no_keys" (seq_kv = 0: O = 0, lse = −inf) — its device scratch bytes (split-KV parts; the naive
-/// pipeline's packed copies, S and P; a host block-sparse layout's device copy), and `why` for the naive pipeline
-/// and flash_generic.
+/// pipeline's packed copies, S and P; a host block-sparse layout's device copy; the aligned copies of views the
+/// tensor-core kernels refuse for alignment only), and `why` for the naive pipeline, flash_generic and the aligned
+/// copies.
 /// `mask` is the bound mask attend's dispatch passes on: band_mask, block_sparse_mask (host arrays) or
 /// cuda::device_block_sparse_mask. Either flash kernel with a mask includes its repair pass (flash_repair_kernel:
 /// returns at once unless the flash kernel raised its flag, 4 bytes of scratch). Not modelled: the Hopper kernel's fallback to mma.sync when the driver refuses a
