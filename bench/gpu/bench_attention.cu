@@ -3,7 +3,8 @@
 // with CUDA events: warm-up, then the median of many runs over rotating input sets. One JSON object per line to the
 // file given as argv[1] (default: stdout); a short table to stdout. argv[2] = "sparse" runs the block-sparse suite only,
 // "flash" the flash shapes only, "decode" the split-KV calls only (decode shapes without naive, one head of 4096 rows),
-// "generic" the CUDA-core kernel (bf16 aligned on tensor cores vs bf16 off alignment and f32 on cuda.flash_generic),
+// "generic" the CUDA-core kernel (bf16 aligned on tensor cores vs bf16 off alignment on aligned copies and on
+// cuda.flash_generic, and f32 on cuda.flash_generic),
 // "d64" two, three and four warpgroups on unmasked head_dim 64 (with the tile sweep), "profile" one call each for a
 // profiler, "peer DIR" the block-sparse suite with its layouts written to DIR (layout_4096.txt, layout_10000.txt) for
 // bench/peers/torch_peer.py --block-sparse, then the default flash on (10,16,1024,128) (1280 items of 128 rows ×
@@ -304,7 +305,8 @@ void flash_suite(const shape& c) {
 }
 
 /// The CUDA-core kernel (cuda.flash_generic) beside the tensor-core one: bf16 aligned (automatic: the tensor-core
-/// kernel), bf16 one element off alignment and f32 (automatic: flash_generic, fa::plan says why).
+/// kernel), bf16 one element off alignment (automatic: the tensor-core kernel on aligned copies; and flash_generic
+/// asked for) and f32 (automatic: flash_generic, fa::plan says why).
 void generic_suite(const shape& c) {
   {
     operands<Eigen::bfloat16> x(c, sets_for(c, 2));
@@ -313,6 +315,7 @@ void generic_suite(const shape& c) {
   {
     operands<Eigen::bfloat16> x(c, sets_for(c, 2), 1);
     time_attend<Eigen::bfloat16>(c, x, fa::policy::cuda_kernel::automatic, "automatic (base + 1)");
+    time_attend<Eigen::bfloat16>(c, x, fa::policy::cuda_kernel::flash_generic, "flash_generic (base + 1)");
   }
   {
     operands<float> x(c, sets_for(c, 4));
