@@ -32,8 +32,9 @@ void check_schedule(const block_sparse_mask& m, index_t seq_q, index_t seq_kv, i
     const index_t q1 = std::min({q0 + q_tile, seq_q, (q0 / m.q_granule() + 1) * m.q_granule()});
     std::vector<int> covered(static_cast<std::size_t>(seq_kv), 0);
     index_t prev_end = 0;
-    for (index_t r = 0; r < m.num_segments(q0, q1); ++r) {
-      const kv_span s = m.segment(q0, q1, r);
+    auto segments = m.segments(q0, q1);
+    index_t r = 0;
+    for (kv_span s; segments.next(s); ++r) {
       CAPTURE(q0, q1, r, s.begin, s.end);
       REQUIRE(!s.empty());
       REQUIRE(s.begin >= prev_end);

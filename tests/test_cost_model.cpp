@@ -29,8 +29,7 @@ double brute_kv_rows(const band_mask& m, index_t block_q) {
 struct granule_mask {
   index_t seq_kv = 0;
   index_t q_granule() const { return 48; }
-  index_t num_segments(index_t, index_t) const { return 1; }
-  kv_span segment(index_t, index_t, index_t) const { return {0, seq_kv}; }
+  span_segments segments(index_t, index_t) const { return span_segments({0, seq_kv}); }
 };
 
 }  // namespace

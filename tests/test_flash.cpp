@@ -16,8 +16,7 @@ struct explicit_mask {
   std::vector<unsigned char> ok;
   bool allowed(index_t i, index_t j) const { return ok[static_cast<std::size_t>(i * seq_kv + j)] != 0; }
   index_t q_granule() const { return 0; }
-  index_t num_segments(index_t, index_t) const { return 1; }
-  kv_span segment(index_t, index_t, index_t) const { return {0, seq_kv}; }
+  span_segments segments(index_t, index_t, kv_span keys) const { return span_segments(intersect({0, seq_kv}, keys)); }
   bool is_partial(index_t, index_t, index_t, index_t) const { return true; }
 };
 
@@ -33,11 +32,22 @@ struct blocky_mask {
     return j < seq_kv && std::find(r.begin(), r.end(), j / bk) != r.end();
   }
   index_t q_granule() const { return bq; }
-  index_t num_segments(index_t q0, index_t) const { return static_cast<index_t>(row(q0).size()); }
-  kv_span segment(index_t q0, index_t, index_t r) const {
-    const index_t blk = row(q0)[static_cast<std::size_t>(r)];
-    return {blk * bk, std::min(seq_kv, (blk + 1) * bk)};
-  }
+  /// One segment per listed block, cut to `keys`.
+  struct block_segments {
+    const blocky_mask* m;
+    const std::vector<index_t>* blocks;
+    std::size_t r;
+    kv_span keys;
+    bool next(kv_span& s) {
+      while (r < blocks->size()) {
+        const index_t blk = (*blocks)[r++];
+        s = intersect({blk * m->bk, std::min(m->seq_kv, (blk + 1) * m->bk)}, keys);
+        if (!s.empty()) return true;
+      }
+      return false;
+    }
+  };
+  block_segments segments(index_t q0, index_t, kv_span keys) const { return {this, &row(q0), 0, keys}; }
   bool is_partial(index_t, index_t, index_t, index_t) const { return false; }
 };
 

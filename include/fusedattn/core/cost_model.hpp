@@ -94,7 +94,7 @@ inline double naive_bytes(const problem& p, std::size_t elem_bytes, std::size_t 
 /// Key rows one head visits summed over its q-blocks: Σ over q-blocks of the length of the key segments the
 /// mask lets that block see. A dense mask gives ceil(s_q / block_q) · s_kv. q-blocks are also cut at multiples
 /// of the mask's `q_granule()` (block-sparse layouts), as the tile loop does.
-/// @param m       a bound mask offering `q_granule()`, `num_segments(q0, q1)` and `segment(q0, q1, r)`.
+/// @param m       a bound mask offering `q_granule()` and `segments(q0, q1)` (core/mask_walk.hpp).
 /// @param p       the problem (its seq_q is cut into q-blocks).
 /// @param block_q query rows per q-block (values below 1 count as 1).
 template <class Bound>
@@ -105,11 +105,8 @@ double kv_rows_visited(const Bound& m, const problem& p, index_t block_q) {
   for (index_t q0 = 0; q0 < p.seq_q;) {
     index_t q1 = std::min(q0 + step, p.seq_q);
     if (granule > 0) q1 = std::min(q1, (q0 / granule + 1) * granule);
-    const index_t n = m.num_segments(q0, q1);
-    for (index_t r = 0; r < n; ++r) {
-      const kv_span seg = m.segment(q0, q1, r);
-      if (!seg.empty()) rows += static_cast<double>(seg.end - seg.begin);
-    }
+    auto segments = m.segments(q0, q1);
+    for (kv_span seg; segments.next(seg);) rows += static_cast<double>(seg.end - seg.begin);
     q0 = q1;
   }
   return rows;

@@ -207,20 +207,21 @@ bool finite_values(const Acc* x, index_t n) {
   return ok;
 }
 
-/// Sets row entries j in [0, kn) to 0 where the mask forbids key k0 + j for query row i (generic rule).
+/// Sets row entries j in [0, kn) to 0 where the mask forbids key k0 + j for query row i. A one-segment mask
+/// (mask_traits) allows one interval of keys per row, band_rule::columns: two fills; any other mask, one allowed()
+/// call per element.
 template <class Acc, class Mask>
 inline void zero_forbidden(const Mask& mask, index_t i, index_t k0, index_t kn, Acc* row) {
-  for (index_t j = 0; j < kn; ++j)
-    if (!mask.allowed(i, k0 + j)) row[j] = Acc(0);
-}
-/// The same for a band mask: the allowed keys of a row are one interval, so two fills.
-template <class Acc>
-inline void zero_forbidden(const band_mask& mask, index_t i, index_t k0, index_t kn, Acc* row) {
-  const kv_span r = mask.row_range(i);
-  const index_t lo = std::min(std::max<index_t>(r.begin - k0, 0), kn);
-  const index_t hi = std::min(std::max(r.end - k0, lo), kn);
-  std::fill(row, row + lo, Acc(0));
-  std::fill(row + hi, row + kn, Acc(0));
+  if constexpr (mask_traits<Mask>::one_segment) {
+    index_t c_lo = 0, c_hi = 0;
+    mask.element_band().rule().columns(i, k0, k0, k0 + kn, c_lo, c_hi);
+    const index_t lo = std::min(c_lo, kn), hi = std::max(c_hi, lo);
+    std::fill(row, row + lo, Acc(0));
+    std::fill(row + hi, row + kn, Acc(0));
+  } else {
+    for (index_t j = 0; j < kn; ++j)
+      if (!mask.allowed(i, k0 + j)) row[j] = Acc(0);
+  }
 }
 
 /// One (q tile, kv tile) pair of head (b, h): rows [q0, q1) against the tile packed in `sc` (keys [k0, k0 + kn)).
@@ -371,14 +372,10 @@ void backward_item(const backward_call<T, Mask>& call, backward_scratch<accum_t<
     for (index_t g = 0; g < group; ++g) {
       const index_t h = h_first + g;
       const auto& mask = for_head(call.mask, b, h);
-      const kv_span rows = mask.q_range(k0, k0 + kn);
-      if (rows.empty()) continue;
-      const auto first = std::upper_bound(f.q_start.begin(), f.q_start.end(), rows.begin) - 1;
-      for (auto it = first; it + 1 != f.q_start.end() && *it < rows.end; ++it) {
-        const index_t q0 = *it, q1 = *(it + 1);
-        if (!mask.sees(q0, q1, k0, k0 + kn)) continue;
-        backward_pair<T, Arch>(call, sc, mask, b, h, q0, q1, k0, kn, k_finite, part + g * head_rows);
-      }
+      const listed_q_tiles q_tiles{f.q_start.data(), static_cast<index_t>(f.q_start.size()) - 1};
+      q_tile_walk<listed_q_tiles> walk(mask, q_tiles, k0, k0 + kn);
+      for (kv_span rows; walk.next(mask, rows);)
+        backward_pair<T, Arch>(call, sc, mask, b, h, rows.begin, rows.end, k0, kn, k_finite, part + g * head_rows);
     }
 
     // dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO of the tile, written once.

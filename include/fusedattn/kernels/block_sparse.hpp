@@ -8,6 +8,7 @@
 #include <variant>
 
 #include "../config.hpp"
+#include "../core/mask_walk.hpp"
 #include "../core/problem.hpp"
 #include "../core/status.hpp"
 #include "../core/types.hpp"
@@ -52,56 +53,29 @@ struct block_sparse_mask {
   const block_index* runs = nullptr;      ///< [first, last + 1) pairs
   band_mask band{};                       ///< the element rule `within`, intersected
 
+  /// Several segments per q-tile (mask_traits).
+  static constexpr bool one_segment = false;
+
   /// q-tiles must not straddle a multiple of block_q: a q-tile then lies in one q-block row.
   FUSEDATTN_HOST_DEVICE index_t q_granule() const { return block_q; }
 
-  /// Number of runs (merged consecutive blocks, or single blocks without run arrays) of q-block row qb.
-  FUSEDATTN_HOST_DEVICE index_t run_count(index_t qb) const {
-    return run_offsets ? run_offsets[qb + 1] - run_offsets[qb] : row_offsets[qb + 1] - row_offsets[qb];
+  /// The segments of rows [q0, q1) (one q-block row), ascending: the runs of listed kv-blocks, cut to the keys
+  /// `within` lets these rows see and to `keys` (core/mask_walk.hpp, run_segments). None when the row lists no block.
+  FUSEDATTN_HOST_DEVICE run_segments<block_index> segments(index_t q0, index_t q1) const {
+    return run_segments<block_index>(row_offsets, cols, run_offsets, runs, q0 / block_q, block_kv,
+                                     band.kv_range(q0, q1));
   }
-  /// First kv-block of run u of row qb.
-  FUSEDATTN_HOST_DEVICE index_t run_first(index_t qb, index_t u) const {
-    return run_offsets ? runs[2 * (run_offsets[qb] + u)] : cols[row_offsets[qb] + u];
+  FUSEDATTN_HOST_DEVICE run_segments<block_index> segments(index_t q0, index_t q1, kv_span keys) const {
+    return run_segments<block_index>(row_offsets, cols, run_offsets, runs, q0 / block_q, block_kv,
+                                     intersect(band.kv_range(q0, q1), keys));
   }
-  /// One past the last kv-block of run u of row qb.
-  FUSEDATTN_HOST_DEVICE index_t run_end(index_t qb, index_t u) const {
-    return run_offsets ? runs[2 * (run_offsets[qb] + u) + 1] : cols[row_offsets[qb] + u] + 1;
-  }
-  /// The runs of row qb that hold a key of [k_begin, k_end): [first, last) as run numbers (binary searches).
-  FUSEDATTN_HOST_DEVICE void runs_in(index_t qb, index_t k_begin, index_t k_end, index_t& first,
-                                     index_t& last) const {
-    index_t lo = 0, hi = run_count(qb);
-    while (lo < hi) {  // first run ending after k_begin
-      const index_t mid = lo + (hi - lo) / 2;
-      if (run_end(qb, mid) * block_kv <= k_begin) lo = mid + 1; else hi = mid;
-    }
-    first = lo;
-    hi = run_count(qb);
-    while (lo < hi) {  // first run starting at or after k_end
-      const index_t mid = lo + (hi - lo) / 2;
-      if (run_first(qb, mid) * block_kv < k_end) lo = mid + 1; else hi = mid;
-    }
-    last = lo;
-  }
-
-  /// Segments of rows [q0, q1) (one q-block row): the runs of active kv-blocks, clipped to the keys `within` lets
-  /// these rows see and to seq_kv. None when the row lists no block.
+  /// Number of key segments rows [q0, q1) visit.
   FUSEDATTN_HOST_DEVICE index_t num_segments(index_t q0, index_t q1) const {
     FUSEDATTN_ASSERT(q0 < q1 && q0 / block_q == (q1 - 1) / block_q);
-    const kv_span keys = band.kv_range(q0, q1);
-    if (keys.empty()) return 0;
-    index_t first = 0, last = 0;
-    runs_in(q0 / block_q, keys.begin, keys.end, first, last);
-    return last - first;
-  }
-  /// The r-th segment (ascending keys) of rows [q0, q1).
-  FUSEDATTN_HOST_DEVICE kv_span segment(index_t q0, index_t q1, index_t r) const {
-    const index_t qb = q0 / block_q;
-    const kv_span keys = band.kv_range(q0, q1);
-    index_t first = 0, last = 0;
-    runs_in(qb, keys.begin, keys.end, first, last);
-    const index_t b = run_first(qb, first + r) * block_kv, e = run_end(qb, first + r) * block_kv;
-    return {b > keys.begin ? b : keys.begin, e < keys.end ? e : keys.end};
+    run_segments<block_index> walk = segments(q0, q1);
+    index_t n = 0;
+    for (kv_span s; walk.next(s);) ++n;
+    return n;
   }
 
   /// The column walk of the backward pass: rows that may see a key of [k0, k1) (a superset: the band's rows).
@@ -111,12 +85,8 @@ struct block_sparse_mask {
   FUSEDATTN_HOST_DEVICE bool sees(index_t q0, index_t q1, index_t k0, index_t k1) const {
     for (index_t qb = q0 / block_q; qb <= (q1 - 1) / block_q; ++qb) {
       const index_t r0 = qb * block_q > q0 ? qb * block_q : q0, r1 = (qb + 1) * block_q < q1 ? (qb + 1) * block_q : q1;
-      const kv_span keys = band.kv_range(r0, r1);
-      const index_t b = keys.begin > k0 ? keys.begin : k0, e = keys.end < k1 ? keys.end : k1;
-      if (b >= e) continue;
-      index_t first = 0, last = 0;
-      runs_in(qb, b, e, first, last);
-      if (last > first) return true;
+      kv_span s;
+      if (segments(r0, r1, {k0, k1}).seek().next(s)) return true;
     }
     return false;
   }
@@ -146,6 +116,12 @@ struct block_sparse_mask {
     return false;
   }
 
+  /// The band the element rule is (`within`); kernels test elements against it and block_listed.
+  FUSEDATTN_HOST_DEVICE const band_mask& element_band() const { return band; }
+  /// Whether key j (below seq_kv) lies in a block row i's q-block lists.
+  FUSEDATTN_HOST_DEVICE bool block_listed(index_t i, index_t j) const {
+    return j < seq_kv && find(i / block_q, j / block_kv) >= 0;
+  }
   /// The per-element rule (the test oracle uses only this).
   FUSEDATTN_HOST_DEVICE bool allowed(index_t i, index_t j) const {
     return i >= 0 && i < seq_q && band.allowed(i, j) && find(i / block_q, j / block_kv) >= 0;
@@ -166,17 +142,27 @@ FUSEDATTN_HOST_DEVICE inline block_sparse_mask for_head(const block_sparse_mask&
   return r;
 }
 
+namespace detail {
+/// The fields of a bound block-sparse mask that come from a layout's geometry (arrays and element rule left empty).
+inline block_sparse_mask bind_geometry(const block_geometry& g) {
+  block_sparse_mask r;
+  r.seq_q = g.seq_q;
+  r.seq_kv = g.seq_kv;
+  r.block_q = g.block_q;
+  r.block_kv = g.block_kv;
+  r.n_q_blocks = g.n_q_blocks();
+  r.pattern_batch = g.batch;
+  r.pattern_heads = g.heads;
+  return r;
+}
+}  // namespace detail
+
 /// Binds a block_sparse mask to a problem. Preconditions: validated (see check_mask).
 inline block_sparse_mask bind(const block_sparse& m, const problem& p) {
   const block_layout_view& l = m.layout;
-  block_sparse_mask r;
+  block_sparse_mask r = detail::bind_geometry(l.geometry);
   r.seq_q = p.seq_q;
   r.seq_kv = p.seq_kv;
-  r.block_q = l.geometry.block_q;
-  r.block_kv = l.geometry.block_kv;
-  r.n_q_blocks = l.geometry.n_q_blocks();
-  r.pattern_batch = l.geometry.batch;
-  r.pattern_heads = l.geometry.heads;
   r.row_offsets = l.row_offsets;
   r.cols = l.cols;
   r.run_offsets = l.run_offsets;
@@ -190,11 +176,10 @@ inline const char* mask_name(const block_sparse&) { return "block_sparse"; }
 
 namespace detail {
 
-/// Checks a block_sparse mask against a problem: the layout was built for this problem's seq_q, seq_kv, heads and
-/// batch (or shares its pattern over heads / batch), its arrays are well formed, and `within` is a valid rule.
-inline status check_mask(const block_sparse& m, const problem& p) {
-  const std::string n = "block_sparse.layout.";
-  const block_geometry& g = m.layout.geometry;
+/// The layout geometry `g` was built for problem `p` (seq_q, seq_kv, and heads / batch equal or shared); the
+/// status names the field as `owner` + "layout." + field (owner: "block_sparse." or "device_block_sparse.").
+inline status check_geometry(const block_geometry& g, const problem& p, const std::string& owner) {
+  const std::string n = owner + "layout.";
   const auto s = [](index_t v) { return std::to_string(v); };
   if (g.seq_q != p.seq_q)
     return status::invalid(n + "seq_q is " + s(g.seq_q) + " but problem.seq_q is " + s(p.seq_q) +
@@ -208,18 +193,32 @@ inline status check_mask(const block_sparse& m, const problem& p) {
   if (g.batch != 1 && g.batch != p.batch)
     return status::invalid(n + "batch is " + s(g.batch) + " but problem.batch is " + s(p.batch) +
                            "; it must be 1 (shared) or equal");
-  if (status st = check_layout(m.layout); !st) return st;
-  if (const auto* c = std::get_if<causal>(&m.within))
+  return {};
+}
+
+/// The element rule `within` is valid: alignments are align values, window bounds >= 0; the status names the field
+/// as `owner` + "within: ..." (owner: "block_sparse." or "device_block_sparse.").
+inline status check_element_rule(const block_sparse::element_rule& within, const std::string& owner) {
+  const std::string n = owner + "within: ";
+  if (const auto* c = std::get_if<causal>(&within))
     if (c->alignment != align::top_left && c->alignment != align::bottom_right)
-      return status::invalid("block_sparse.within: causal.alignment is not a valid fusedattn::align value");
-  if (const auto* w = std::get_if<window>(&m.within)) {
+      return status::invalid(n + "causal.alignment is not a valid fusedattn::align value");
+  if (const auto* w = std::get_if<window>(&within)) {
     if (w->left < 0 || w->right < 0)
-      return status::invalid("block_sparse.within: window.left / window.right are " + s(w->left) + " / " +
-                             s(w->right) + "; they must be >= 0");
+      return status::invalid(n + "window.left / window.right are " + std::to_string(w->left) + " / " +
+                             std::to_string(w->right) + "; they must be >= 0");
     if (w->alignment != align::top_left && w->alignment != align::bottom_right)
-      return status::invalid("block_sparse.within: window.alignment is not a valid fusedattn::align value");
+      return status::invalid(n + "window.alignment is not a valid fusedattn::align value");
   }
   return {};
+}
+
+/// Checks a block_sparse mask against a problem: the layout was built for this problem's seq_q, seq_kv, heads and
+/// batch (or shares its pattern over heads / batch), its arrays are well formed, and `within` is a valid rule.
+inline status check_mask(const block_sparse& m, const problem& p) {
+  if (status st = check_geometry(m.layout.geometry, p, "block_sparse."); !st) return st;
+  if (status st = check_layout(m.layout); !st) return st;
+  return check_element_rule(m.within, "block_sparse.");
 }
 
 }  // namespace detail

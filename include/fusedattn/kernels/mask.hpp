@@ -1,6 +1,6 @@
 /// @file mask.hpp
 /// Mask policies. A user-facing mask (dense, causal, window) is bound to a problem's sequence lengths once,
-/// giving a `band_mask` that answers the three questions every kernel asks:
+/// giving a `band_mask` that answers the questions every kernel asks (the walk over them: core/mask_walk.hpp):
 ///   kv_range(q0, q1)               which keys rows [q0, q1) may see at all (tiles outside are skipped, not masked);
 ///   is_partial(q0, q1, k0, k1)     whether a tile needs per-element masking;
 ///   allowed(i, j)                  the per-element rule (the test oracle uses only this one).
@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "../config.hpp"
+#include "../core/mask_walk.hpp"
 #include "../core/problem.hpp"
 #include "../core/score_mod.hpp"
 #include "../core/types.hpp"
@@ -40,18 +41,14 @@ struct window {
   align alignment = align::top_left;
 };
 
-/// Half-open key range [begin, end).
-struct kv_span {
-  index_t begin = 0;
-  index_t end = 0;
-  FUSEDATTN_HOST_DEVICE bool empty() const { return end <= begin; }
-};
-
 /// A mask bound to sequence lengths: key j is allowed for query i iff lo <= j - i <= hi (and 0 <= j < seq_kv).
-/// dense, causal and window all reduce to this one rule, so the kernels carry a single band code path.
+/// dense, causal and window all reduce to this one rule (core/mask_walk.hpp's band_rule), so the kernels carry a
+/// single band code path.
 struct band_mask {
   /// Stands for "no bound on this side".
   static constexpr index_t unbounded = std::numeric_limits<index_t>::max() / 4;
+  /// Every q-tile visits one key segment and every row's allowed keys are one interval (mask_traits).
+  static constexpr bool one_segment = true;
 
   index_t seq_q = 0;
   index_t seq_kv = 0;
@@ -59,11 +56,14 @@ struct band_mask {
   index_t hi = unbounded;   ///< largest allowed j - i
   bound_mods mods{};        ///< score modifiers (core/score_mod.hpp); all off for a plain mask
 
+  /// The rule in index_t arithmetic.
+  FUSEDATTN_HOST_DEVICE band_rule<index_t> rule() const { return {seq_kv, lo, hi}; }
+  /// The band the element rule is (a block-sparse mask's is its `within`); kernels test elements against it.
+  FUSEDATTN_HOST_DEVICE const band_mask& element_band() const { return *this; }
   /// The per-element rule.
-  FUSEDATTN_HOST_DEVICE bool allowed(index_t i, index_t j) const {
-    const index_t diff = j - i;
-    return j >= 0 && j < seq_kv && diff >= lo && diff <= hi;
-  }
+  FUSEDATTN_HOST_DEVICE bool allowed(index_t i, index_t j) const { return rule().allowed(i, j); }
+  /// Whether key j lies in a block the mask lists for row i: a band lists every key.
+  FUSEDATTN_HOST_DEVICE bool block_listed(index_t, index_t) const { return true; }
   /// Keys query row i may see.
   FUSEDATTN_HOST_DEVICE kv_span row_range(index_t i) const { return kv_range(i, i + 1); }
   /// Smallest key range covering every allowed key of rows [q0, q1); empty when none is allowed.
@@ -76,19 +76,25 @@ struct band_mask {
   }
   /// Whether tile rows [q0, q1) × keys [k0, k1) holds any element the rule forbids (keys beyond seq_kv count).
   FUSEDATTN_HOST_DEVICE bool is_partial(index_t q0, index_t q1, index_t k0, index_t k1) const {
-    const bool inside = k1 <= seq_kv && k0 >= 0 && (k0 - (q1 - 1)) >= lo && ((k1 - 1) - q0) <= hi;
-    return !inside;
+    return rule().is_partial(q0, q1, k0, k1);
   }
-  // The tile-loop interface every bound mask offers (band_mask here, block_sparse_mask in block_sparse.hpp):
+  // The tile-loop interface every bound mask offers (band_mask here, block_sparse_mask in block_sparse.hpp; the
+  // walk over it, written once for host and device, is core/mask_walk.hpp):
   //   q_granule()                 q-tiles must not straddle a multiple of this (0: any q tiling is fine);
-  //   num_segments(q0, q1)        how many disjoint key segments rows [q0, q1) visit;
-  //   segment(q0, q1, r)          the r-th segment, ascending; the loop cuts it into kv tiles;
+  //   segments(q0, q1[, keys])    a cursor over the disjoint key segments rows [q0, q1) visit, ascending
+  //                               (`next(kv_span&)`), cut to `keys`; key_tiles cuts them into kv tiles;
   //   is_partial(...), allowed()  as above;
   //   for_head(mask, b, h)        (free function, below) the mask of one (batch, head).
   FUSEDATTN_HOST_DEVICE index_t q_granule() const { return 0; }
+  FUSEDATTN_HOST_DEVICE span_segments segments(index_t q0, index_t q1) const {
+    return span_segments(kv_range(q0, q1));
+  }
+  FUSEDATTN_HOST_DEVICE span_segments segments(index_t q0, index_t q1, kv_span keys) const {
+    return span_segments(intersect(kv_range(q0, q1), keys));
+  }
+  /// Number of key segments rows [q0, q1) visit (0 or 1).
   FUSEDATTN_HOST_DEVICE index_t num_segments(index_t q0, index_t q1) const { return kv_range(q0, q1).empty() ? 0 : 1; }
-  FUSEDATTN_HOST_DEVICE kv_span segment(index_t q0, index_t q1, index_t /*r*/) const { return kv_range(q0, q1); }
-  // The column walk of the backward pass (the transpose of the questions above):
+  // The column walk of the backward pass (the transpose of the questions above; q_tile_walk walks it):
   //   q_range(k0, k1)             rows that may see a key of [k0, k1) (a superset for per-head masks; exact here);
   //   sees(q0, q1, k0, k1)        whether tile rows [q0, q1) × keys [k0, k1) holds an allowed element.
   /// Smallest row range covering every row that sees a key of [k0, k1); empty when none does.
@@ -101,8 +107,7 @@ struct band_mask {
     return {b, e};
   }
   FUSEDATTN_HOST_DEVICE bool sees(index_t q0, index_t q1, index_t k0, index_t k1) const {
-    const kv_span r = kv_range(q0, q1);
-    return (r.begin > k0 ? r.begin : k0) < (r.end < k1 ? r.end : k1);
+    return !intersect(kv_range(q0, q1), {k0, k1}).empty();
   }
 
   /// Number of allowed (i, j) pairs: the score entries a perfect kernel computes.

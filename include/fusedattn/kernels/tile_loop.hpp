@@ -89,21 +89,22 @@ flash_plan make_plan(const problem& p, const Mask& mask, tile_sizes user) {
   return f;
 }
 
-/// Sets S entries j in [j0, j1) of query row i to −inf where the mask forbids key kb + j: the generic rule, one
-/// allowed() call per element (used for every mask type without a faster equivalent).
+/// Sets S entries j in [j0, j1) of query row i to −inf where the mask forbids key kb + j. A one-segment mask
+/// (mask_traits) allows one interval of keys per row, band_rule::columns: two fills; any other mask, one allowed()
+/// call per element.
 template <class Acc, class Mask>
 inline void mask_row(const Mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
-  for (index_t j = j0; j < j1; ++j)
-    if (!mask.allowed(i, kb + j)) srow[j] = -std::numeric_limits<Acc>::infinity();
-}
-/// The same for a band mask, whose allowed keys of one row are the single interval row_range(i): two fills.
-template <class Acc>
-inline void mask_row(const band_mask& mask, index_t i, index_t kb, index_t j0, index_t j1, Acc* srow) {
-  const kv_span r = mask.row_range(i);
-  const index_t lo = std::min(std::max(r.begin - kb, j0), j1);
-  const index_t hi = std::min(std::max(r.end - kb, lo), j1);
-  std::fill(srow + j0, srow + lo, -std::numeric_limits<Acc>::infinity());
-  std::fill(srow + hi, srow + j1, -std::numeric_limits<Acc>::infinity());
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  if constexpr (mask_traits<Mask>::one_segment) {
+    index_t c_lo = 0, c_hi = 0;
+    mask.element_band().rule().columns(i, kb, kb + j0, kb + j1, c_lo, c_hi);
+    const index_t lo = std::min(c_lo, j1), hi = std::max(c_hi, lo);
+    std::fill(srow + j0, srow + lo, neg_inf);
+    std::fill(srow + hi, srow + j1, neg_inf);
+  } else {
+    for (index_t j = j0; j < j1; ++j)
+      if (!mask.allowed(i, kb + j)) srow[j] = neg_inf;
+  }
 }
 
 /// std::allocator with cache-line alignment: every row of the scratch tiles starts a line (their row strides are
@@ -350,51 +351,48 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
   std::fill(sc.m.begin(), sc.m.begin() + qn, neg_inf);
   std::fill(sc.l.begin(), sc.l.begin() + qn, Acc(0));
 
-  const index_t segments = mask.num_segments(q0, q1);
-  for (index_t r = 0; r < segments; ++r) {
-    const kv_span seg = mask.segment(q0, q1, r);
-    const index_t seg_begin = std::max(seg.begin, key_lo), seg_end = std::min(seg.end, key_hi);
-    for (index_t k0 = seg_begin; k0 < seg_end;) {
-      // The kv tile: keys [k0, k1), cut at multiples of bkv. S is computed on the panel-aligned span
-      // [kb, ke) ⊇ [k0, k1); its columns outside [k0, k1) are masked below.
-      const index_t k1 = std::min(seg_end, (k0 / f.bkv + 1) * f.bkv);
-      const index_t kn = k1 - k0;
-      const index_t kb = k0 / f.cols * f.cols, ke = round_up(k1, f.cols), width = ke - kb;
-      if (!call.packed)
-        for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
-          if (!sc.packed[static_cast<std::size_t>(pn)]) {
-            pack_panel<T, Arch>(call.kv, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
-            sc.packed[static_cast<std::size_t>(pn)] = 1;
-          }
+  // The kv tiles (core/mask_walk.hpp, key_tiles): the mask's key segments within this chunk [key_lo, key_hi), cut at
+  // multiples of bkv; visit kt covers keys [k0, k1) = [kt, kt + bkv) ∩ its segment.
+  key_tiles<Mask, 0, index_t> tiles(mask, q0, q1, f.bkv, {key_lo, key_hi});
+  for (index_t kt = tiles.first(); kt >= 0; kt = tiles.next(kt)) {
+    // The kv tile: keys [k0, k1). S is computed on the panel-aligned span [kb, ke) ⊇ [k0, k1); its columns
+    // outside [k0, k1) are masked below.
+    const index_t k0 = std::max(kt, tiles.seg_begin), k1 = std::min(kt + f.bkv, tiles.seg_end);
+    const index_t kn = k1 - k0;
+    const index_t kb = k0 / f.cols * f.cols, ke = round_up(k1, f.cols), width = ke - kb;
+    if (!call.packed)
+      for (index_t pn = kb / f.cols; pn < ke / f.cols; ++pn)
+        if (!sc.packed[static_cast<std::size_t>(pn)]) {
+          pack_panel<T, Arch>(call.kv, f, p.seq_kv, b, h_kv, pn, kt_head, v_head);
+          sc.packed[static_cast<std::size_t>(pn)] = 1;
+        }
 
-      // S (qn × width) = Q (qn × d) · Kᵀ (d × width), panel by panel.
-      cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, kt_head + kb * f.d, f.d, qn, width, sc.s.data(), f.lds);
+    // S (qn × width) = Q (qn × d) · Kᵀ (d × width), panel by panel.
+    cpu::qk_tile<Acc, Arch>(sc.q.data(), f.d, kt_head + kb * f.d, f.d, qn, width, sc.s.data(), f.lds);
 
-      // Mask: columns outside [k0, k1) always; forbidden keys only on tiles the mask calls partial.
-      const bool partial = mask.is_partial(q0, q1, k0, k1);
-      const index_t j0 = k0 - kb, j1 = k1 - kb;
-      for (index_t i = 0; i < qn; ++i) {
-        Acc* srow = sc.s.data() + i * f.lds;
-        // Score modifiers (softcap, ALiBi) on the whole panel-aligned row, before the mask sets −inf.
-        if (modify) modify_row<Acc, Arch>(srow, width, static_cast<Acc>(p.softmax_scale()), mods, h, q0 + i, kb);
-        for (index_t j = 0; j < j0; ++j) srow[j] = neg_inf;
-        for (index_t j = j1; j < width; ++j) srow[j] = neg_inf;
-        if (partial) mask_row(mask, q0 + i, kb, j0, j1, srow);
-        // P row (1 × width) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
-        sc.alpha[static_cast<std::size_t>(i)] = online_softmax_row<Acc, Arch>(
-            srow, width, c_softmax, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
-      }
-
-      // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on. A partial tile whose V
-      // holds a non-finite value sums over the allowed keys only (0·NaN must not reach rows that skip the key).
-      if (partial && !values_finite(call.kv, f, p.seq_kv, b, h_kv, k0, k1, sc))
-        pv_tile_allowed(mask, call.kv, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
-                        sc.acc.data(), f.dp);
-      else
-        cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, v_head + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
-                                sc.alpha.data(), sc.acc.data(), f.dp, qn);
-      k0 = k1;
+    // Mask: columns outside [k0, k1) always; forbidden keys only on tiles the mask calls partial.
+    const bool partial = mask.is_partial(q0, q1, k0, k1);
+    const index_t j0 = k0 - kb, j1 = k1 - kb;
+    for (index_t i = 0; i < qn; ++i) {
+      Acc* srow = sc.s.data() + i * f.lds;
+      // Score modifiers (softcap, ALiBi) on the whole panel-aligned row, before the mask sets −inf.
+      if (modify) modify_row<Acc, Arch>(srow, width, static_cast<Acc>(p.softmax_scale()), mods, h, q0 + i, kb);
+      for (index_t j = 0; j < j0; ++j) srow[j] = neg_inf;
+      for (index_t j = j1; j < width; ++j) srow[j] = neg_inf;
+      if (partial) mask_row(mask, q0 + i, kb, j0, j1, srow);
+      // P row (1 × width) = 2^(scale·log2e·S − m_new); α = 2^(m_old − m_new); l = α·l + Σ P.
+      sc.alpha[static_cast<std::size_t>(i)] = online_softmax_row<Acc, Arch>(
+          srow, width, c_softmax, sc.m[static_cast<std::size_t>(i)], sc.l[static_cast<std::size_t>(i)]);
     }
+
+    // acc (qn × dp) = diag(α)·acc + P (qn × kn) · V (kn × dp), P from column j0 on. A partial tile whose V
+    // holds a non-finite value sums over the allowed keys only (0·NaN must not reach rows that skip the key).
+    if (partial && !values_finite(call.kv, f, p.seq_kv, b, h_kv, k0, k1, sc))
+      pv_tile_allowed(mask, call.kv, b, h_kv, q0, qn, k0, kn, f.d, sc.s.data() + j0, f.lds, sc.alpha.data(),
+                      sc.acc.data(), f.dp);
+    else
+      cpu::pv_tile<Acc, Arch>(sc.s.data() + j0, f.lds, v_head + k0 * f.vw, p.seq_kv * f.vw, kn, f.dp,
+                              sc.alpha.data(), sc.acc.data(), f.dp, qn);
   }
 
   // Finish: the sink logit joins l (online::add_sink; nothing when sinks are off), O = acc / l, lse = m·ln2 + ln l;

@@ -190,10 +190,13 @@ R with_route_tile(flash_route route, index_t head_dim, R otherwise, F&& f) {
 
 /// Whether a mask leaves masked keys inside the key tiles flash visits: every mask but a band without limits (no
 /// mask, whose only partial tiles end at seq_kv, past which the kernels read zeros).
-inline bool has_masked_keys(const band_mask& m) {
-  return m.lo != -band_mask::unbounded || m.hi != band_mask::unbounded;
+template <class Mask>
+bool has_masked_keys(const Mask& m) {
+  if constexpr (mask_traits<Mask>::one_segment)
+    return m.element_band().lo != -band_mask::unbounded || m.element_band().hi != band_mask::unbounded;
+  else
+    return true;
 }
-inline bool has_masked_keys(const block_sparse_mask&) { return true; }
 
 /// Runs the flash kernel (flash_applies must have said ok) on choose_flash_route's route; `Mods` picks the kernels'
 /// instantiation for calls with score modifiers.
@@ -247,7 +250,6 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                  cudaStream_t stream, bool portable = false) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
-    constexpr double log2e = 1.4426950408889634;
     flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
                             int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                             static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
@@ -426,8 +428,8 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
   std::string why;
   if (status st = choose_kernel(pol, p, q, k, v, o, mask, path, why); !st) return st;
   if (status st = attend_empty(p, o, lse, mods_of(mask), stream, empty); !st || empty) return st;
-  if constexpr (std::is_same_v<Mask, band_mask>)
-    if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask, lse);
+  if constexpr (mask_traits<Mask>::one_segment)
+    if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask.element_band(), lse);
   if (path == cuda_path::flash)
     return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
   if (path == cuda_path::packed) return run_flash_packed(p, q, k, v, o, mask, lse, stream);

@@ -122,40 +122,35 @@ __global__ void __launch_bounds__(256) backward_delta_kernel(const backward_para
 }
 
 /// The column walk of one dK/dV block: the (query head, q tile) pairs whose tile of `BM` rows sees keys
-/// [k0, k1) of kv head h_kv, query heads ascending, q tiles ascending (mask.q_range gives the candidates, mask.sees
-/// keeps those with an allowed element).
+/// [k0, k1) of kv head h_kv, query heads ascending, q tiles ascending (core/mask_walk.hpp's q_tile_walk per head).
 template <class Mask, int BM>
 struct column_walk {
   const backward_params_t<Mask>& p;
-  int b, h, h_end, qt, qt_end, k0, k1;
+  int b, h, h_end;
+  q_tile_walk<uniform_q_tiles> tiles;
   __device__ __forceinline__ column_walk(const backward_params_t<Mask>& params, int batch, int h_kv, int key0,
                                          int key1)
-      : p(params), b(batch), h(h_kv * params.group - 1), h_end((h_kv + 1) * params.group), qt(0), qt_end(0),
-        k0(key0), k1(key1) {}
+      : p(params), b(batch), h(h_kv * params.group), h_end((h_kv + 1) * params.group),
+        tiles(head_mask(params.mask, batch, h), uniform_q_tiles{BM, params.seq_q}, key0, key1) {}
   /// The next pair (head, first row of the q tile); false when the walk is over.
   __device__ __forceinline__ bool next(int& head, int& q0) {
     for (;;) {
-      while (qt < qt_end) {
-        const int t = qt++;
-        const int r0 = t * BM, r1 = r0 + BM < p.seq_q ? r0 + BM : p.seq_q;
-        if (head_mask(p.mask, b, h).sees(r0, r1, k0, k1)) {
-          head = h;
-          q0 = r0;
-          return true;
-        }
+      kv_span rows;
+      if (tiles.next(head_mask(p.mask, b, h), rows)) {
+        head = h;
+        q0 = int(rows.begin);
+        return true;
       }
       if (++h >= h_end) return false;
-      const kv_span rows = head_mask(p.mask, b, h).q_range(k0, k1);
-      qt = rows.empty() ? 0 : int(rows.begin / BM);
-      qt_end = rows.empty() ? 0 : int((rows.end + BM - 1) / BM);
+      tiles = q_tile_walk<uniform_q_tiles>(head_mask(p.mask, b, h), tiles.tiles, tiles.k0, tiles.k1);
     }
   }
 };
 
-/// Whether key j of a block-sparse q tile starting at row q0 lies in a listed block (a band has no blocks: true).
-__device__ __forceinline__ bool key_listed(const band_mask&, int, int) { return true; }
-__device__ __forceinline__ bool key_listed(const block_sparse_mask& m, int q0, int j) {
-  return j < m.seq_kv && m.find(q0 / m.block_q, j / m.block_kv) >= 0;
+/// Whether key j of a q tile starting at row q0 lies in a block the mask lists (mask.block_listed; a band lists all).
+template <class Mask>
+__device__ __forceinline__ bool key_listed(const Mask& m, int q0, int j) {
+  return m.block_listed(q0, j);
 }
 
 /// Stores a thread's part of a 16-row accumulator tile (rows `row0` + g and + 8, columns 2t, 2t + 1 of each 8-wide
@@ -225,8 +220,8 @@ __device__ __forceinline__ void zero_acc(float (&c)[N][4]) {
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
-  constexpr bool band = std::is_same_v<Mask, band_mask>;
-  constexpr float log2e = 1.4426950408889634f;
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
+  constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sk = reinterpret_cast<E*>(smem_raw);            // [BN][D] swizzled
   E* sv = sk + BN * D;                               // [BN][D]
@@ -349,8 +344,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
 template <class E, class Tile, class Mask>
 __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_q, BN = Tile::block_kv;
-  constexpr bool band = std::is_same_v<Mask, band_mask>;
-  constexpr float log2e = 1.4426950408889634f;
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
+  constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled
   E* sdo = sq + BM * D;                    // [BM][D]
@@ -492,7 +487,6 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
                     const Mask& mask, cudaStream_t stream) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
-    constexpr double log2e = 1.4426950408889634;
     backward_params_t<Mask> bp{q.data, k.data, v.data, o.data, d_o.data, lse, dq.data, dk.data, dv.data,
                                q.stride, k.stride, v.stride, o.stride, d_o.stride, dq.stride, dk.stride, dv.stride,
                                int(p.batch), int(p.heads), int(p.heads_kv), int(p.group_size()), int(p.seq_q),

@@ -152,10 +152,9 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
   const int split = blockIdx.y;
   const index_t len = p.kv.length(b);
   const index_t lo = p.lo0 + p.shift * len, hi = p.hi0 + p.shift * len;
-  // Keys any row may see: [max(0, lo), min(len, seq_q − 1 + hi + 1)), then this split's share.
-  index_t kb = lo > 0 ? lo : 0;
-  index_t ke = index_t(p.seq_q) + hi;
-  if (ke > len) ke = len;
+  // Keys any row may see (band_mask::kv_range of rows [0, seq_q)), then this split's share.
+  const kv_span seen = band_mask{p.seq_q, len, lo, hi}.kv_range(0, p.seq_q);
+  index_t kb = seen.begin, ke = seen.end;
   const index_t s0 = kb + index_t(split) * p.chunk;
   index_t s1 = s0 + p.chunk;
   if (s1 > ke) s1 = ke;
@@ -265,8 +264,7 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
 #pragma unroll
       for (int u = 0; u < BN / 32; ++u) {
         const int j = lane + 32 * u;
-        const index_t key = k0 + j, diff = key - i;
-        const bool ok = key < ke && diff >= lo && diff <= hi;
+        const bool ok = band_rule<index_t>{ke, lo, hi}.allowed(i, k0 + j);  // the band, keys past ke masked
         sv[u] = ok ? s_s[r * SP + j] : -INFINITY;
         mt = fmaxf(mt, sv[u]);
       }
@@ -340,7 +338,7 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
     dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
   }
   __syncthreads();
-  constexpr float ln2 = 0.6931471805599453f;
+  constexpr float ln2 = float(fusedattn::ln2);
   for (int e = t; e < p.rows * D; e += Tile::threads) {
     const int r = e / D, c = e % D;
     float sum = 0.f;
@@ -589,7 +587,6 @@ decode_params decode_io(const problem& p, const tensor_ref<const T>& q, const te
   dp.group = int(p.group_size());
   dp.seq_q = int(p.seq_q);
   dp.rows = int(p.group_size() * p.seq_q);
-  constexpr double log2e = 1.4426950408889634;
   dp.scale_log2 = static_cast<float>(p.softmax_scale() * log2e);
   return dp;
 }
@@ -610,10 +607,10 @@ status decode_views_fit(const tensor_ref<const T>& q, const tensor_ref<T>& o) {
 template <class T, class Mask>
 bool decode_takes(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                   const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask) {
-  if constexpr (!std::is_same_v<Mask, band_mask>) {
+  if constexpr (!mask_traits<Mask>::one_segment) {
     return false;
   } else {
-    if (pol.kernel != policy::cuda_kernel::automatic || mask.mods.any() || p.seq_q > decode_max_rows) return false;
+    if (pol.kernel != policy::cuda_kernel::automatic || mods_of(mask).any() || p.seq_q > decode_max_rows) return false;
     if (!decode_applies<T>(p) || !decode_views_fit(q, o)) return false;
     return decode_aligned(k.data, {k.stride.b, k.stride.h, k.stride.s}) &&
            decode_aligned(v.data, {v.stride.b, v.stride.h, v.stride.s}) && k.stride.d == 1 && v.stride.d == 1 &&

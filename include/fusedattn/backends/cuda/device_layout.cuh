@@ -142,15 +142,7 @@ inline status upload(const block_layout_view& host, device_block_layout& out, cu
     return st;
   fresh.geometry_ = g;
   // Bound like bind(block_sparse) does for the shape; `band` (the element rule) is set per call.
-  block_sparse_mask host_mask;
-  host_mask.seq_q = g.seq_q;
-  host_mask.seq_kv = g.seq_kv;
-  host_mask.block_q = g.block_q;
-  host_mask.block_kv = g.block_kv;
-  host_mask.n_q_blocks = g.n_q_blocks();
-  host_mask.pattern_batch = g.batch;
-  host_mask.pattern_heads = g.heads;
-  fresh.mask_ = cuda_backend::rebase(host_mask, pk, fresh.storage_);
+  fresh.mask_ = cuda_backend::rebase(detail::bind_geometry(g), pk, fresh.storage_);
   out = std::move(fresh);
   return {};
 }
@@ -186,17 +178,7 @@ inline const bound_mods& mods_of(const device_block_sparse_mask& m) { return m.m
 inline status check_mask(const device_block_sparse& m) {
   if (m.layout == nullptr || m.layout->empty())
     return status::invalid("device_block_sparse.layout is empty; cuda::upload a block_layout into it first");
-  if (const auto* c = std::get_if<causal>(&m.within))
-    if (c->alignment != align::top_left && c->alignment != align::bottom_right)
-      return status::invalid("device_block_sparse.within: causal.alignment is not a valid fusedattn::align value");
-  if (const auto* w = std::get_if<window>(&m.within)) {
-    if (w->left < 0 || w->right < 0)
-      return status::invalid("device_block_sparse.within: window.left / window.right are " + std::to_string(w->left) +
-                             " / " + std::to_string(w->right) + "; they must be >= 0");
-    if (w->alignment != align::top_left && w->alignment != align::bottom_right)
-      return status::invalid("device_block_sparse.within: window.alignment is not a valid fusedattn::align value");
-  }
-  return {};
+  return detail::check_element_rule(m.within, "device_block_sparse.");
 }
 
 /// Binds a device_block_sparse to a problem (attend finds this by argument lookup). Preconditions: check_mask ok.
@@ -213,21 +195,7 @@ inline const char* mask_name(const device_block_sparse&) { return "cuda::device_
 /// The layout was built for this problem (as attend checks a block_sparse layout): errc::invalid_argument naming
 /// the field otherwise.
 inline status check_geometry(const block_geometry& g, const problem& p) {
-  const std::string n = "device_block_sparse.layout.";
-  const auto s = [](index_t v) { return std::to_string(v); };
-  if (g.seq_q != p.seq_q)
-    return status::invalid(n + "seq_q is " + s(g.seq_q) + " but problem.seq_q is " + s(p.seq_q) +
-                           "; the layout was built for another sequence length");
-  if (g.seq_kv != p.seq_kv)
-    return status::invalid(n + "seq_kv is " + s(g.seq_kv) + " but problem.seq_kv is " + s(p.seq_kv) +
-                           "; the layout was built for another sequence length");
-  if (g.heads != 1 && g.heads != p.heads)
-    return status::invalid(n + "heads is " + s(g.heads) + " but problem.heads is " + s(p.heads) +
-                           "; it must be 1 (shared) or equal");
-  if (g.batch != 1 && g.batch != p.batch)
-    return status::invalid(n + "batch is " + s(g.batch) + " but problem.batch is " + s(p.batch) +
-                           "; it must be 1 (shared) or equal");
-  return {};
+  return detail::check_geometry(g, p, "device_block_sparse.");
 }
 
 }  // namespace cuda

@@ -158,7 +158,7 @@ struct tile_mods {
   bool capped = false, biased = false;
   tile_mods() = default;
   __device__ __forceinline__ tile_mods(const bound_mods& m, int h, float scale_log2) {
-    constexpr float log2e = 1.4426950408889634f;
+    constexpr float log2e = float(fusedattn::log2e);
     const float scale = scale_log2 / log2e;
     capped = m.softcap != 0.f;
     biased = m.alibi_slopes != nullptr;
@@ -214,7 +214,7 @@ __device__ __forceinline__ void flag_nonfinite(int* nonfinite, const float (&acc
 template <class E, class Tile, class Mask, bool Guarded, bool Mods = false>
 __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& p, int m_block, int h, int bz) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
-  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment: no tile reaches past it
   constexpr float neg_inf = -INFINITY;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled; reused to stage O
@@ -434,7 +434,7 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   // (add_sink; a split's parts leave it to flash_merge_kernel).
   // O is staged through this warp's rows of the Q tile (no other warp reads them), then written as 16-byte chunks;
   // a split writes its part in f32 straight from the accumulators instead.
-  constexpr float ln2 = 0.69314718055994531f;
+  constexpr float ln2 = float(fusedattn::ln2);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) flag_nonfinite(p.nonfinite, acc[mt]);
   if (p.splits > 1) {
@@ -576,12 +576,12 @@ inline int flash_splits(index_t q_blocks, index_t blocks, index_t kv_tiles, int 
   return splits > 1 ? int(splits) : 1;
 }
 
-/// The key splits of a flash launch whose tile has `block_m` query rows and `block_n` keys (flash_splits; block-sparse
-/// masks are never split: a split cuts one segment).
+/// The key splits of a flash launch whose tile has `block_m` query rows and `block_n` keys (flash_splits; only
+/// one-segment masks (mask_traits) are split: a split cuts one segment).
 template <class Mask>
 int flash_split_count(index_t batch, index_t heads, index_t seq_q, index_t seq_kv, int block_m, int block_n,
                       int multiprocessors) {
-  if (!std::is_same_v<Mask, band_mask>) return 1;
+  if (!mask_traits<Mask>::one_segment) return 1;
   const index_t q_blocks = (seq_q + block_m - 1) / block_m;
   return flash_splits(q_blocks, q_blocks * heads * batch, (seq_kv + block_n - 1) / block_n, multiprocessors);
 }

@@ -256,7 +256,7 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
                                             const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
                                             int b, int h, int split, int q0, E* stage, const tile_mods& mods) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m;
-  constexpr float ln2 = 0.69314718055994531f;
+  constexpr float ln2 = float(fusedattn::ln2);
   flag_nonfinite(p.nonfinite, acc);
   float inv_l[2];
 #pragma unroll
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     flash_hopper_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n;
-  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment: no tile reaches past it
   constexpr std::uint32_t atom = Tile::atom_bytes;          // K-major: 8 rows to the next 8 rows
   constexpr std::uint32_t v_panel = BN * 128;               // V, N-major: one 64-column panel to the next
   extern __shared__ unsigned char smem_raw[];
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, QB = Tile::q_buffers;
-  constexpr bool band = std::is_same_v<Mask, band_mask>;
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment: no tile reaches past it
   constexpr std::uint32_t atom = Tile::atom_bytes;
   constexpr std::uint32_t v_panel = BN * 128;
   extern __shared__ unsigned char smem_raw[];
