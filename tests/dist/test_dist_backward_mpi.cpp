@@ -19,9 +19,7 @@
 #include "mpi_case.hpp"
 #include "support/backward_check.hpp"
 
-namespace fa = fusedattn;
-namespace dist = fusedattn::dist;
-using namespace fusedattn::testing;
+using namespace fusedattn::testing;  // and its aliases fa, dist (mpi_case.hpp)
 using fusedattn::index_t;
 
 namespace {

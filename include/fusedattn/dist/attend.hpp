@@ -260,13 +260,25 @@ status with_block_mask(block_mask bm, F&& f) {
   return f(fusedattn::causal{bm == block_mask::causal_top_left ? align::top_left : align::bottom_right});
 }
 
-/// Keys [k0, k0 + nk) of a K or V buffer laid out [b][h_kv][rows][d].
+/// What one block's call takes besides its queries: its problem (nq queries, nk keys of the global problem g) and
+/// keys [k0, k0 + nk) of K and V buffers laid out [b][h_kv][rows][d].
 template <class T>
-tensor_ref<const T> key_rows(const T* base, const problem& g, index_t rows, index_t k0, index_t nk) {
-  return {base + k0 * g.head_dim,
-          {g.batch, g.heads_kv, nk, g.head_dim},
-          {g.heads_kv * rows * g.head_dim, rows * g.head_dim, g.head_dim, 1}};
-}
+struct block_inputs {
+  problem p;
+  tensor_ref<const T> k, v;
+  block_inputs(const problem& g, const block_span& bs, const T* kb, const T* vb, index_t rows)
+      : p(g), k(key_rows(kb, g, rows, bs)), v(key_rows(vb, g, rows, bs)) {
+    p.seq_q = bs.nq;
+    p.seq_kv = bs.nk;
+  }
+
+ private:
+  static tensor_ref<const T> key_rows(const T* base, const problem& g, index_t rows, const block_span& bs) {
+    return {base + bs.k0 * g.head_dim,
+            {g.batch, g.heads_kv, bs.nk, g.head_dim},
+            {g.heads_kv * rows * g.head_dim, rows * g.head_dim, g.head_dim, 1}};
+  }
+};
 
 /// This rank's place in the ring: exchanges that send to rank r + 1 and receive from rank r − 1 on the executor's
 /// stream, and the host seconds spent waiting for them.
@@ -385,19 +397,16 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
 
   // One block against a K/V buffer laid out [b][h_kv][rows][d], merged into the accumulator's rows.
   auto block = [&](const block_span& bs, const T* kb, const T* vb, index_t rows) -> status {
-    problem sp = g;
-    sp.seq_q = bs.nq;
-    sp.seq_kv = bs.nk;
-    const tensor_ref<const T> ks = key_rows(kb, g, rows, bs.k0, bs.nk), vs = key_rows(vb, g, rows, bs.k0, bs.nk);
-    const tensor_ref<T> part = bhsd(part_o, sp.q_dims());
+    const block_inputs<T> in(g, bs, kb, vb, rows);
+    const tensor_ref<T> part = bhsd(part_o, in.p.q_dims());
     const tensor_ref<const T> qs = rows_of(q, bs.q0, bs.nq);
     const status s = with_block_mask(
-        bs.mask, [&](const auto& mask) { return fusedattn::attend(pol, sp, qs, ks, vs, part, mask, part_lse); });
+        bs.mask, [&](const auto& mask) { return fusedattn::attend(pol, in.p, qs, in.k, in.v, part, mask, part_lse); });
     if (!s) return s;
     const tensor_ref<acc_t> acc_rows = rows_of(acc, bs.q0, bs.nq);
     const lse_ref<float> acc_l_rows = rows_of(acc_l, bs.q0, bs.nq);
     return ex.merge(tensor_ref<const acc_t>(acc_rows), lse_ref<const float>(acc_l_rows),
-                    tensor_ref<const T>(part), lse_bhs(static_cast<const float*>(part_lse), sp.q_dims()), acc_rows,
+                    tensor_ref<const T>(part), lse_bhs(static_cast<const float*>(part_lse), in.p.q_dims()), acc_rows,
                     acc_l_rows);
   };
   // After a failure a rank keeps communicating (the others are waiting for its transfers) but computes no more.

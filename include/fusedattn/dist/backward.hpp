@@ -94,13 +94,10 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
   // One block against a K/V buffer laid out [b][h_kv][rows][d]: its dQ goes into dq_sum at once, its dK/dV stay
   // in part_kv for add_kv.
   auto block = [&](const block_span& bs, const T* kb, const T* vb, index_t rows) -> status {
-    problem sp = g;
-    sp.seq_q = bs.nq;
-    sp.seq_kv = bs.nk;
-    const tensor_ref<const T> ks = key_rows(kb, g, rows, bs.k0, bs.nk), vs = key_rows(vb, g, rows, bs.k0, bs.nk);
-    const tensor_ref<T> pdq = bhsd(part_dq, sp.q_dims());
-    const tensor_ref<T> pdk = bhsd(part_kv, sp.kv_dims());
-    const tensor_ref<T> pdv = bhsd(part_kv + part_kv_elems, sp.kv_dims());
+    const block_inputs<T> in(g, bs, kb, vb, rows);
+    const tensor_ref<T> pdq = bhsd(part_dq, in.p.q_dims());
+    const tensor_ref<T> pdk = bhsd(part_kv, in.p.kv_dims());
+    const tensor_ref<T> pdv = bhsd(part_kv + part_kv_elems, in.p.kv_dims());
     // attend_backward reads lse as [b][h][i] over the block's rows: this rank's rows as they are, fewer packed.
     const float* block_lse = lse;
     if (bs.nq != lq) {
@@ -111,7 +108,7 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
     const tensor_ref<const T> qs = rows_of(q, bs.q0, bs.nq), os = rows_of(o, bs.q0, bs.nq),
                               dos = rows_of(d_o, bs.q0, bs.nq);
     const status s = with_block_mask(bs.mask, [&](const auto& mask) {
-      return fusedattn::attend_backward(pol, sp, qs, ks, vs, os, dos, block_lse, pdq, pdk, pdv, mask);
+      return fusedattn::attend_backward(pol, in.p, qs, in.k, in.v, os, dos, block_lse, pdq, pdk, pdv, mask);
     });
     if (!s) return s;
     pending_k0 = bs.k0;
