@@ -189,7 +189,8 @@ TEST_CASE("block_sparse: segments and is_partial agree with allowed()", "[block_
       }
 }
 
-TEST_CASE("block_sparse matches the float64 oracle: the block shapes of the reference kernel", "[block_sparse]") {
+TEST_CASE("block_sparse matches the float64 oracle: the block shapes of the reference kernel",
+          "[block_sparse][heavy]") {
   const index_t sizes[] = {128, 256, 512, 1024};
   const double sparsities[] = {0.0, 0.5, 0.9};
   int n = 0;

@@ -99,8 +99,8 @@ void for_each_cpu_policy(F&& f) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("modifiers: flash, scalar and naive match the float64 oracle, every mask", "[modifiers]", float,
-                   double) {
+TEMPLATE_TEST_CASE("modifiers: flash, scalar and naive match the float64 oracle, every mask", "[modifiers][heavy]",
+                   float, double) {
   for (const mod_set& ms : all_mod_sets())
     for (const problem& p : mod_shapes())
       for (const any_mask& mask : all_masks())
@@ -588,7 +588,8 @@ TEST_CASE("modifiers: the float64 closed-form gradient agrees with finite differ
   }
 }
 
-TEMPLATE_TEST_CASE("modifiers: attend_backward matches the float64 closed form, every mask", "[modifiers][backward]",
+TEMPLATE_TEST_CASE("modifiers: attend_backward matches the float64 closed form, every mask",
+                   "[modifiers][backward][heavy]",
                    float, double) {
   const problem shapes[] = {{1, 1, 1, 7, 7, 3}, {2, 4, 2, 70, 90, 64}, {1, 2, 1, 130, 129, 80}, {1, 2, 2, 40, 5, 16}};
   for (const mod_set& ms : all_mod_sets())

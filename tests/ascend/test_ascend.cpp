@@ -66,7 +66,7 @@ std::vector<std::int64_t> v64(std::initializer_list<std::int64_t> l) { return l;
 
 }  // namespace
 
-TEST_CASE("ascend: every band mask, layout and shape matches the float64 oracle (f32)", "[ascend]") {
+TEST_CASE("ascend: every band mask, layout and shape matches the float64 oracle (f32)", "[ascend][heavy]") {
   // tail_shapes() with 300 where it has 1000: the fake and the oracle are plain loops.
   const std::vector<fa::problem> shapes = {
       {1, 1, 1, 1, 1, 1},        {1, 1, 1, 7, 7, 3},      {2, 3, 3, 127, 127, 64}, {1, 2, 1, 128, 128, 80},
