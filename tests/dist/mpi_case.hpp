@@ -38,12 +38,16 @@ constexpr float sentinel = 7.0f;
 /// A whole problem, its inputs, and this rank's shards of Q, K, V; O and lse filled with the sentinel.
 template <class T>
 struct sharded_case {
+  std::uint64_t seed;    ///< drawn on rank 0 (shared_seed), the same on every rank
+  std::mt19937_64 rng;   ///< seeded with it; the whole problem's inputs are its first draws
   attention_case<T> whole;
   std::vector<T> q, k, v, o;
   std::vector<float> lse;
   fa::problem local;
-  sharded_case(const fa::problem& p, dist::layout l, dist::mpi_comm& comm, std::mt19937_64& rng)
-      : whole(p, layout::bshd, rng),
+  sharded_case(const fa::problem& p, dist::layout l, dist::mpi_comm& comm)
+      : seed(shared_seed(comm)),
+        rng(seed),
+        whole(p, layout::bshd, rng),
         q(shard_of(whole.q.cview(), l, comm.size(), comm.rank())),
         k(shard_of(whole.k.cview(), l, comm.size(), comm.rank())),
         v(shard_of(whole.v.cview(), l, comm.size(), comm.rank())),
@@ -60,6 +64,12 @@ struct sharded_case {
                         fa::bhsd(o.data(), local.o_dims()), mask, lse.data(), opt);
   }
 };
+
+/// A status every rank must see succeed (the collective calls return the same status on every rank).
+inline void require_ok(const status& st) {
+  INFO(st.what());
+  REQUIRE(st.ok());
+}
 
 /// The shapes the sharded tests sweep for `ranks` ranks: lengths in zigzag units (2·ranks rows), so both layouts
 /// split them; no shard lines up with a kernel tile.

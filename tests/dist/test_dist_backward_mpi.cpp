@@ -30,13 +30,13 @@ template <class T>
 struct backward_shards : sharded_case<T> {
   operand<T> d_o_whole;
   std::vector<T> d_o, dq, dk, dv;
-  backward_shards(const fa::problem& p, dist::layout l, dist::mpi_comm& comm, std::mt19937_64& rng)
-      : sharded_case<T>(p, l, comm, rng),
+  backward_shards(const fa::problem& p, dist::layout l, dist::mpi_comm& comm)
+      : sharded_case<T>(p, l, comm),
         d_o_whole(p.o_dims(), layout::bshd),
         dq(this->q.size(), T(sentinel)),
         dk(this->k.size(), T(sentinel)),
         dv(this->k.size(), T(sentinel)) {
-    d_o_whole.fill(rng);
+    d_o_whole.fill(this->rng);
     d_o = shard_of(d_o_whole.cview(), l, comm.size(), comm.rank());
   }
   fa::tensor_ref<const T> in(const std::vector<T>& x, const fa::dims4& d) const { return fa::bhsd<const T>(x.data(), d); }
@@ -88,17 +88,11 @@ void check_gradient(const char* name, const std::vector<T>& got, const std::vect
 /// (the 16-bit types) against one process's attend_backward on the same inputs within TransformerEngine's tolerance.
 template <class T>
 void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
-  const std::uint64_t seed = shared_seed(comm);
-  std::mt19937_64 rng(seed);
-  backward_shards<T> c(p, opt.layout, comm, rng);
+  backward_shards<T> c(p, opt.layout, comm);
   const int n = comm.size(), r = comm.rank();
-  INFO(describe_run<T>(comm, p, mask, opt, seed));
-  const fa::status fwd = c.forward(comm, mask, opt);
-  INFO(fwd.what());
-  REQUIRE(fwd.ok());
-  const fa::status st = c.backward(comm, mask, opt);
-  INFO(st.what());
-  REQUIRE(st.ok());  // every rank has the same status
+  INFO(describe_run<T>(comm, p, mask, opt, c.seed));
+  require_ok(c.forward(comm, mask, opt));
+  require_ok(c.backward(comm, mask, opt));
   // One process over the whole problem: O and lse (for the plain implementation), and its gradients.
   operand<T> o(p.o_dims(), layout::bhsd), dq(p.q_dims(), layout::bhsd), dk(p.kv_dims(), layout::bhsd),
       dv(p.kv_dims(), layout::bhsd);
@@ -155,8 +149,7 @@ TEST_CASE("dist::attend_backward over MPI: refusals reach every rank and nothing
   dist::mpi_comm comm;
   const int n = comm.size();
   const fa::problem p{1, 2, 2, 4 * n, 4 * n, 16};
-  std::mt19937_64 rng(shared_seed(comm));
-  backward_shards<float> c(p, dist::layout::zigzag, comm, rng);
+  backward_shards<float> c(p, dist::layout::zigzag, comm);
   REQUIRE(c.forward(comm, fa::causal{}, {}).ok());
   auto refused = [&](const fa::status& st, fa::errc code, const std::string& own) {
     INFO(st.what());

@@ -19,13 +19,9 @@ namespace {
 /// f32 / f64: the shard against the float64 oracle of the whole problem.
 template <class T>
 void against_oracle(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask, const dist::options& opt) {
-  const std::uint64_t seed = shared_seed(comm);
-  std::mt19937_64 rng(seed);
-  sharded_case<T> c(p, opt.layout, comm, rng);
-  INFO(describe_run<T>(comm, p, mask, opt, seed));
-  const fa::status st = c.run(comm, mask, opt);
-  INFO(st.what());
-  REQUIRE(st.ok());  // every rank has the same status
+  sharded_case<T> c(p, opt.layout, comm);
+  INFO(describe_run<T>(comm, p, mask, opt, c.seed));
+  require_ok(c.run(comm, mask, opt));
   const expected e = expect(c.whole, bind_band(mask, p));
   const std::vector<double> ref_o = shard_rows_of(e.ref.o, p, p.head_dim, opt.layout, comm.size(), comm.rank());
   const std::vector<double> ref_lse = shard_rows_of(e.ref.lse, p, 1, opt.layout, comm.size(), comm.rank());
@@ -54,7 +50,6 @@ TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is writt
   dist::mpi_comm comm;
   const int n = comm.size();
   const fa::problem p{1, 2, 2, 4 * n, 4 * n, 16};
-  std::mt19937_64 rng(shared_seed(comm));
   auto refused = [&](sharded_case<float>& c, const fa::status& st, fa::errc code, const std::string& own) {
     INFO(st.what());
     CHECK(st.code() == code);
@@ -65,7 +60,7 @@ TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is writt
   SECTION("a sequence that does not split evenly") {
     fa::problem odd = p;
     odd.seq_q = odd.seq_kv = 4 * n + 1;
-    sharded_case<float> c(p, dist::layout::zigzag, comm, rng);
+    sharded_case<float> c(p, dist::layout::zigzag, comm);
     const fa::status st = dist::attend(comm, fa::policy::cpu<>{1}, odd, fa::bhsd<const float>(c.q.data(), c.local.q_dims()),
                                        fa::bhsd<const float>(c.k.data(), c.local.kv_dims()),
                                        fa::bhsd<const float>(c.v.data(), c.local.kv_dims()),
@@ -73,7 +68,7 @@ TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is writt
     refused(c, st, fa::errc::invalid_argument, "problem.seq_q is " + std::to_string(4 * n + 1));
   }
   SECTION("the last rank passes a null q: it names the field, every other rank names it") {
-    sharded_case<float> c(p, dist::layout::zigzag, comm, rng);
+    sharded_case<float> c(p, dist::layout::zigzag, comm);
     const bool culprit = comm.rank() == n - 1;
     const fa::status st =
         dist::attend(comm, fa::policy::cpu<>{1}, p,
@@ -84,7 +79,7 @@ TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is writt
     refused(c, st, fa::errc::invalid_argument, culprit ? "q.data is null" : "rank " + std::to_string(n - 1) + " failed");
   }
   SECTION("the ranks disagree on the scale") {
-    sharded_case<float> c(p, dist::layout::zigzag, comm, rng);
+    sharded_case<float> c(p, dist::layout::zigzag, comm);
     fa::problem mine = p;
     if (comm.rank() == 0) mine.scale = 0.5;
     const fa::status st = dist::attend(comm, fa::policy::cpu<>{1}, mine, fa::bhsd<const float>(c.q.data(), c.local.q_dims()),
@@ -97,7 +92,7 @@ TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is writt
       CHECK(st.ok());  // one rank has no one to disagree with
   }
   SECTION("a window mask, and causal with seq_q != seq_kv, are unsupported") {
-    sharded_case<float> c(p, dist::layout::zigzag, comm, rng);
+    sharded_case<float> c(p, dist::layout::zigzag, comm);
     refused(c, c.run(comm, fa::window{3, 0}, {}), fa::errc::unsupported, "dense and causal");
     fa::problem cross = p;
     cross.seq_kv = 2 * p.seq_kv;

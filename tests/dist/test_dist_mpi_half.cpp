@@ -21,13 +21,9 @@ namespace {
 template <class T>
 void against_one_process(dist::mpi_comm& comm, const fa::problem& p, const fa::any_mask& mask,
                          const dist::options& opt) {
-  const std::uint64_t seed = shared_seed(comm);
-  std::mt19937_64 rng(seed);
-  sharded_case<T> c(p, opt.layout, comm, rng);
-  INFO(describe_run<T>(comm, p, mask, opt, seed));
-  const fa::status st = c.run(comm, mask, opt);
-  INFO(st.what());
-  REQUIRE(st.ok());
+  sharded_case<T> c(p, opt.layout, comm);
+  INFO(describe_run<T>(comm, p, mask, opt, c.seed));
+  require_ok(c.run(comm, mask, opt));
   std::vector<T> one(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim));
   std::vector<float> one_lse(static_cast<std::size_t>(p.lse_size()));
   REQUIRE(fa::attend(fa::policy::cpu<>{1}, p, c.whole.q.cview(), c.whole.k.cview(), c.whole.v.cview(),
