@@ -378,12 +378,19 @@ TEST_CASE("cuda serving calls refuse bad tables and offsets with nothing written
   {  // non-monotonic cu_seqlens
     const problem pr{1, 8, 2, 3, 40, 64};
     dev<std::int32_t> cq(std::vector<std::int32_t>{0, 1, 2, 3}), ck(std::vector<std::int32_t>{0, 30, 20, 40});
-    const status st = gpu::attend_ragged_cuda<T>(pr, ragged_batch{3, cq.ptr, ck.ptr}, bshd<const T>(dq.ptr, pr.q_dims()),
-                                                 bshd<const T>(dk.ptr, pr.kv_dims()), bshd<const T>(dv.ptr, pr.kv_dims()),
-                                                 bshd(d_o.ptr, pr.o_dims()), dense{}, dlse.ptr);
+    // buffers of this problem's own size, so that only the offsets are wrong
+    const std::size_t n_q = std::size_t(pr.heads * pr.seq_q * pr.head_dim), n_kv = std::size_t(pr.heads_kv * pr.seq_kv * pr.head_dim);
+    dev<T> rq(std::vector<T>(n_q, T(0.5f))), rk(std::vector<T>(n_kv, T(0.5f))), rv(std::vector<T>(n_kv, T(0.5f)));
+    dev<T> ro(std::vector<T>(n_q, T(7.0f)));
+    dev<float> rlse(std::vector<float>(std::size_t(pr.heads * pr.seq_q), 123.0f));
+    const status st = gpu::attend_ragged_cuda<T>(pr, ragged_batch{3, cq.ptr, ck.ptr}, bshd<const T>(rq.ptr, pr.q_dims()),
+                                                 bshd<const T>(rk.ptr, pr.kv_dims()), bshd<const T>(rv.ptr, pr.kv_dims()),
+                                                 bshd(ro.ptr, pr.o_dims()), dense{}, rlse.ptr);
     INFO(st.what());
     CHECK(st.code() == errc::invalid_argument);
     CHECK(std::string(st.what()).find("ragged.") != std::string::npos);
+    for (const T x : ro.get()) CHECK(static_cast<float>(x) == 7.0f);
+    for (const float x : rlse.get()) CHECK(x == 123.0f);
     untouched();
   }
 }

@@ -282,11 +282,13 @@ status naive_attention(const problem& pr, const tensor_ref<const T>& q, const te
   pack_kernel<<<elementwise_grid(n_kv), 256, 0, stream>>>(ve, vc, n_kv, v_nonfinite);
   if (status st = last_launch("pack_kernel"); !st) return st;
 
-  // S is zero-filled first although the GEMM (beta = 0) writes every element: compute-sanitizer's initcheck does not
-  // see the stores of cuBLAS's Hopper GEMM kernels and would report softmax_kernel's reads of S as reads of
-  // uninitialised memory. One memset of S costs less than a quarter of the pipeline's traffic over S and P.
+  // S and the unpacked O are zero-filled first although the GEMMs (beta = 0) write every element: compute-sanitizer's
+  // initcheck does not see the stores of cuBLAS's Hopper GEMM kernels and would report the softmax and unpack
+  // kernels' reads as reads of uninitialised memory. The memsets cost less than a quarter of the pipeline's traffic.
   if (status st = from_cuda(cudaMemsetAsync(sc, 0, std::size_t(n_s) * sizeof(A), stream), "cudaMemsetAsync(scores S)");
       !st)
+    return st;
+  if (status st = from_cuda(cudaMemsetAsync(oc, 0, std::size_t(n_q) * sizeof(A), stream), "cudaMemsetAsync(O)"); !st)
     return st;
   // Column-major view: S_batchᵀ (s_kv × rows) = K_cmᵀ · Q_cm, with K_cm (d × s_kv) and Q_cm (d × rows).
   const A one = 1, zero = 0;
