@@ -4,6 +4,7 @@
 // kernel rounds Q and P to bf16, so it is held to the bf16-storage rule). Built twice: natively (test_amx: skips
 // with a message where the CPU or the OS offers no AMX) and as test_amx_emulated (FUSEDATTN_AMX_EMULATE: the tile
 // instructions in scalar code, so the AMX layouts and tails are checked on any CPU with AVX512-BF16).
+#include <cmath>
 #include <string>
 
 #include "support/check.hpp"
@@ -27,6 +28,14 @@ double plain_error(const reference& plain, const reference& exact) {
 double plain_lse_error(const reference& plain, const reference& exact) {
   std::vector<float> lse(plain.lse.begin(), plain.lse.end());
   return max_lse_error(lse, exact.lse);
+}
+/// Half an ulp of bf16 at the largest |O| of the float64 result: what rounding alone may cost a plain implementation
+/// whose output is bf16. The kernels that round P to bf16 (vdpbf16ps, AMX) may land one such rounding on the other
+/// side of a midpoint; the 2x rule counts from at least this floor.
+double bf16_half_ulp(const reference& exact) {
+  double big = 0;
+  for (double x : exact.o) big = std::max(big, std::abs(x));
+  return big > 0 ? std::ldexp(1.0, std::ilogb(big) - 8) : 0.0;
 }
 /// lse slack for P rounded to bf16 inside the kernel (relative 2^-9 per term, far below this).
 constexpr double lse_floor = 1.0 / 256.0;
@@ -70,7 +79,8 @@ void check_bf16(int threads, const problem& p, const any_mask& mask, layout l, d
   const band_mask bound = bind_band(mask, p);
   const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
   const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
-  const double err = max_abs_error(c.o.view, exact.o), plain_err = plain_error<bf16>(plain, exact);
+  const double err = max_abs_error(c.o.view, exact.o);
+  const double plain_err = std::max(plain_error<bf16>(plain, exact), bf16_half_ulp(exact));
   INFO("max error " << err << ", plain f32 implementation rounded to bf16 " << plain_err);
   CHECK(err <= 2.0 * plain_err + 1e-7);
   const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
@@ -89,10 +99,11 @@ void convert(const operand<From>& from, operand<To>& to) {
 }
 
 /// f32 Q and O with K and V of type TKV on cpu_amx. bf16 K/V run on the tiles (Q rounded to bf16): held to the
-/// bf16-storage rule on the rounded Q; f16 K/V run the f32 kernels: held to the f32 rule of mixed storage.
+/// bf16-storage rule on the rounded Q; f16 K/V, and decode-shaped calls (the decode kernel, K and V widened to
+/// f32), run in f32: held to the f32 rule of mixed storage.
 template <class TKV>
 void check_mixed(int threads, const problem& p, const any_mask& mask, layout l) {
-  constexpr bool tiles = std::is_same<TKV, bf16>::value;
+  const bool tiles = std::is_same<TKV, bf16>::value && !kernels::use_decode_kernel<band_mask>(p, tile_sizes{});
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed, describe(p), describe(mask), layout_name(l), threads, tiles);
   std::mt19937_64 rng(seed);
@@ -119,7 +130,8 @@ void check_mixed(int threads, const problem& p, const any_mask& mask, layout l) 
   const reference exact = reference_attention<double>(p, q32.cview(), k32.cview(), v32.cview(), bound);
   const reference plain = reference_attention<float>(p, q32.cview(), k32.cview(), v32.cview(), bound);
   const double err = max_abs_error(o.view, exact.o);
-  const double plain_err = tiles ? plain_error<bf16>(plain, exact) : plain_error<float>(plain, exact);
+  const double plain_err =
+      tiles ? std::max(plain_error<bf16>(plain, exact), bf16_half_ulp(exact)) : plain_error<float>(plain, exact);
   INFO("max error " << err << ", plain " << plain_err);
   CHECK(err <= 2.0 * plain_err + 8.0 * epsilon<float>());
   const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
@@ -234,10 +246,48 @@ TEST_CASE("amx: key pairs never let a key outside a tile reach a row (odd block-
     REQUIRE(attend(policy::cpu_amx{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data()).ok());
     const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
     const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
-    const double err = max_abs_error(c.o.view, exact.o), plain_err = plain_error<bf16>(plain, exact);
+    const double err = max_abs_error(c.o.view, exact.o);
+  const double plain_err = std::max(plain_error<bf16>(plain, exact), bf16_half_ulp(exact));
     INFO("keys holding NaN " << poisoned << "; max error " << err << ", plain " << plain_err);
     CHECK(err <= 2.0 * plain_err + 1e-7);  // a NaN anywhere in O is an infinite error
   }
+}
+
+TEST_CASE("amx: softcap, ALiBi and sinks on the AMX set against float64", "[amx]") {
+  if (!has_amx()) {
+    WARN(why_no_amx());
+    return;
+  }
+  // The modifiers act on the f32 scores between the two tile products (the tile loop's modify_row), so the AMX set
+  // takes them as every CPU kernel set does; checked with the 2x-plain rule of bf16 storage.
+  for (const problem& p : {problem{1, 4, 2, 130, 129, 64}, problem{1, 2, 2, 33, 200, 80}})
+    for (const causal base : {causal{align::top_left}, causal{align::bottom_right}}) {
+      const std::uint64_t seed = fresh_seed();
+      CAPTURE(seed, describe(p), base.alignment == align::top_left);
+      std::mt19937_64 rng(seed);
+      attention_case<bf16> c(p, layout::bhsd, rng);
+      c.q.fill(rng, -2.0, 2.0);
+      c.k.fill(rng, -2.0, 2.0);
+      std::uniform_real_distribution<float> slope(0.01f, 0.05f), logit(-2.0f, 3.0f);
+      std::vector<float> slopes, logits;
+      for (index_t h = 0; h < p.heads; ++h) {
+        slopes.push_back(slope(rng));
+        logits.push_back(logit(rng));
+      }
+      const auto mask = base | softcap{1.5f} | alibi{slopes.data(), base.alignment} | sinks{logits.data()};
+      std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
+      REQUIRE(attend(policy::cpu_amx{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data()).ok());
+      const auto bound = bind(mask, p);
+      const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+      const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+      const double err = max_abs_error(c.o.view, exact.o);
+  const double plain_err = std::max(plain_error<bf16>(plain, exact), bf16_half_ulp(exact));
+      INFO("max error " << err << ", plain " << plain_err);
+      CHECK(err <= 2.0 * plain_err + 1e-7);
+      const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
+      INFO("lse error " << lse_err << ", plain " << plain_lse);
+      CHECK(lse_err <= 2.0 * plain_lse + lse_floor);
+    }
 }
 
 TEST_CASE("amx: cpu::best takes the AMX set for bf16 storage where the CPU has it", "[amx]") {

@@ -137,8 +137,8 @@ status arch_status() {
   if (arch_available<Arch>()) return {};
   if constexpr (std::is_same<Arch, amx>::value)
     if (x86_cpu().amx_bf16 && !amx_permission().ok()) return amx_permission();
-  return {errc::unsupported,
-          std::string("this CPU cannot run the ") + Arch::name() + " code of policy::cpu<Arch>; pick an arch it supports"};
+  return {errc::unsupported, std::string("this CPU cannot run the ") + Arch::name() +
+                                 " code of policy::cpu<Arch>; pick an arch it supports"};
 }
 
 /// The best kernel set the running CPU supports, chosen at run time per call (cpu::with_best_arch in

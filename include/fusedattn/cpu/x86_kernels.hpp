@@ -161,7 +161,8 @@ __attribute__((noinline)) void pv_block(const float* p, index_t ldp, const float
   __m512 o[MR][NV];
   FUSEDATTN_X86_UNROLL for (index_t r = 0; r < MR; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
-    FUSEDATTN_X86_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + r * lda + n * W));
+    FUSEDATTN_X86_UNROLL for (index_t n = 0; n < NV; ++n)
+      o[r][n] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + r * lda + n * W));
   }
   const auto step = [&](index_t t, const vec* v_t) {
     FUSEDATTN_X86_UNROLL for (index_t r = 0; r < MR; ++r) {
@@ -183,7 +184,8 @@ __attribute__((noinline)) void pv_block(const float* p, index_t ldp, const float
       constexpr __mmask32 even = 0x55555555u;  // the bf16 elements of key 2t; key 2t + 1 is outside the tile
       vec v_t[NV];
       for (index_t n = 0; n < NV; ++n)
-        v_t[n] = (vec)_mm512_maskz_mov_epi16(even, _mm512_castps_si512(_mm512_loadu_ps(v + 2 * steps * shape::vw + n * W)));
+        v_t[n] = (vec)_mm512_maskz_mov_epi16(
+            even, _mm512_castps_si512(_mm512_loadu_ps(v + 2 * steps * shape::vw + n * W)));
       step(steps, v_t);
     }
   }

@@ -99,7 +99,8 @@ inline Acc online_softmax_step(Acc* s, index_t cols, Acc c, Acc& m, Acc& l, RowM
     if (saw_nan) l = std::numeric_limits<Acc>::quiet_NaN();
     return Acc(1);
   }
-  return online::update(m, l, m_new, exp2_row_sum(s, cols, c, m_new));  // α = 0 when m = −inf: nothing accumulated yet
+  // α = 0 when m = −inf: nothing accumulated yet
+  return online::update(m, l, m_new, exp2_row_sum(s, cols, c, m_new));
 }
 
 /// One online-softmax step for one row of a tile (the state update is online::update).
