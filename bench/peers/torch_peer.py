@@ -2,7 +2,7 @@
 """PyTorch's attention on fusedattn's benchmark shapes, written in fusedattn-bench's JSON schema (Google Benchmark's
 format with the same counters), so bench/compare.py, bench/plot.py and bench/gpu/table.py read the rows beside ours.
 
-    python3 bench/peers/torch_peer.py [--device cpu|cuda|all] [--suite bench|gpu|gpu-d64|gpu-d96] [--full]
+    python3 bench/peers/torch_peer.py [--device cpu|cuda|all] [--suite bench|gpu|gpu-d64|gpu-d96|gpu-dims] [--full]
         [--backends flash,efficient,cudnn,flex] [--flex-budget SECONDS] [--min-time SECONDS] [--repetitions N]
         [--threads N] [--cpu-types f32,f16,bf16] [--backward] [--filter REGEX] [--out FILE]
     python3 bench/peers/torch_peer.py --block-sparse DIR [--ours FUSEDATTN.jsonl] [--out FILE]
@@ -15,7 +15,7 @@ Modes:
                  (f32 with 1 and all threads, f16 with all threads; --full: every combination) and on CUDA (f16;
                  --full adds f32 and the math backend). `--suite gpu`: the shapes of bench/gpu/bench_attention.cu
                  (f16 and bf16, dense and causal); `gpu-d64` its unmasked head_dim 64 sweep, `gpu-d96` its head_dim 96
-                 rows. --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
+                 rows, `gpu-dims` bench/gpu/ab_flash.cu's `dims` shapes (head_dims between the tile widths). --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
                  --cpu-types: the CPU rows' storage types (default f32,f16; the first gets 1 and all threads, the
                  others all threads; bf16 rows sit beside fusedattn-bench's flash/bf16 and flash_amx/bf16 rows).
                  --backward adds CPU SDPA's backward (f32, dense and causal, 1 and all threads) on the shapes of
@@ -79,6 +79,9 @@ GPU_SHAPES = [(1, 32, 2048, 128, False), (1, 32, 2048, 128, True), (2, 16, 8192,
               (4, 32, 4096, 64, False), (4, 32, 4096, 64, True), (1, 32, 1024, 128, False), (1, 1, 4096, 64, False),
               (1, 32, 512, 64, False), (4, 16, 4096, 256, False), (4, 16, 4096, 256, True),
               (4, 16, 4096, 96, False), (4, 16, 4096, 96, True)]
+# bench/gpu/ab_flash.cu's `dims` shapes: head_dims between the flash kernels' tile widths.
+GPU_DIMS_SHAPES = [(4, 16, 4096, 40, False), (4, 16, 4096, 80, False), (4, 16, 4096, 80, True),
+                   (4, 16, 4096, 136, True), (4, 16, 4096, 160, True), (4, 16, 4096, 192, True)]
 GPU_D64_SHAPES = [(8, 32, 512, 64, False), (8, 32, 1024, 64, False), (4, 32, 2048, 64, False),
                   (4, 32, 4096, 64, False), (2, 32, 8192, 64, False)]
 # fusedattn-bench's flash_bwd shapes (bench/rows_backward.cpp).
@@ -359,7 +362,7 @@ def gpu_rows(args):
     if args.suite == "bench":
         types = ["f16", "f32"] if args.full else ["f16"]
         return [(sh, t, m) for sh, t, m, _ in bench_rows(args.full, 1, types)]
-    shapes = {"gpu": GPU_SHAPES, "gpu-d64": GPU_D64_SHAPES,
+    shapes = {"gpu": GPU_SHAPES, "gpu-d64": GPU_D64_SHAPES, "gpu-dims": GPU_DIMS_SHAPES,
               "gpu-d96": [c for c in GPU_SHAPES if c[3] == 96]}[args.suite]
     return [((b, h, s, d), t, "causal" if c else "dense") for t in ("f16", "bf16") for (b, h, s, d, c) in shapes]
 
@@ -699,7 +702,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
                     help="suite mode: cpu, cuda, or all (default: the CPU, and CUDA when a GPU is present)")
-    ap.add_argument("--suite", choices=["bench", "gpu", "gpu-d64", "gpu-d96"], default="bench",
+    ap.add_argument("--suite", choices=["bench", "gpu", "gpu-d64", "gpu-d96", "gpu-dims"], default="bench",
                     help="suite mode: fusedattn-bench's shapes (default) or bench_gpu's (CUDA only)")
     ap.add_argument("--full", action="store_true", help="bench suite: every combination, like fusedattn-bench --full")
     ap.add_argument("--backends", default="flash,efficient,cudnn,flex",
