@@ -7,6 +7,7 @@
 #include <string>
 
 #include "support/check.hpp"
+#include "support/lowp_check.hpp"
 
 using namespace fusedattn;
 using namespace fusedattn::testing;
@@ -16,26 +17,6 @@ namespace {
 using bf16 = Eigen::bfloat16;
 using f16 = Eigen::half;
 
-/// Max |o − ref| of a plain f32 implementation on the same inputs, its output rounded to `Out`.
-template <class Out>
-double plain_error(const reference& plain, const reference& exact) {
-  double err = 0;
-  for (std::size_t i = 0; i < plain.o.size(); ++i)
-    err = std::max(err, std::abs(static_cast<double>(static_cast<Out>(plain.o[i])) - exact.o[i]));
-  return err;
-}
-double plain_lse_error(const reference& plain, const reference& exact) {
-  std::vector<float> lse(plain.lse.begin(), plain.lse.end());
-  return max_lse_error(lse, exact.lse);
-}
-/// Half an ulp of bf16 at the largest |O| of the float64 result: what rounding alone may cost a plain implementation
-/// whose output is bf16. The kernels that round P to bf16 (vdpbf16ps, AMX) may land one such rounding on the other
-/// side of a midpoint; the 2x rule counts from at least this floor.
-double bf16_half_ulp(const reference& exact) {
-  double big = 0;
-  for (double x : exact.o) big = std::max(big, std::abs(x));
-  return big > 0 ? std::ldexp(1.0, std::ilogb(big) - 8) : 0.0;
-}
 /// The lse slack: lse is f32 in every kernel; a plain f32 error can be 0 by luck.
 constexpr double lse_floor = 64.0 * 1.1920928955078125e-07;
 
