@@ -4,6 +4,7 @@
 /// and V in place in their storage type. Packing and the softmax are elsewhere.
 #pragma once
 
+#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -233,6 +234,22 @@ struct decode_shape {
   static constexpr index_t dot_nk = 4;
 };
 
+/// a·b + c for the scalar tails of the in-place micro-kernels: one fused rounding where the target has an FMA
+/// instruction (FP_FAST_FMAF / FP_FAST_FMA), else a product and a sum. Written out rather than left to the
+/// compiler's contraction, which may treat two instantiations differently (an f32 K row and a widened 16-bit one
+/// must give the same bits).
+template <class Acc>
+inline Acc tail_mul_add(Acc a, Acc b, Acc c) {
+#if defined(FP_FAST_FMAF)
+  if constexpr (std::is_same<Acc, float>::value) return std::fma(a, b, c);
+#endif
+#if defined(FP_FAST_FMA)
+  if constexpr (std::is_same<Acc, double>::value) return std::fma(a, b, c);
+#endif
+  const Acc ab = a * b;
+  return ab + c;
+}
+
 /// One MR × NK block of scores, each a dot product over head_dim:
 ///   q: MR query rows (Acc), row stride ldq;           shape MR × d
 ///   k: NK key rows (storage type T), row stride ldk;  shape NK × d, read in place
@@ -262,7 +279,7 @@ FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* k, index_t
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
       Acc x = V::reduce_add(acc[r][n]);
-      for (index_t c = dv; c < d; ++c) x += q[r * ldq + c] * static_cast<Acc>(k[n * ldk + c]);
+      for (index_t c = dv; c < d; ++c) x = tail_mul_add(q[r * ldq + c], static_cast<Acc>(k[n * ldk + c]), x);
       s[r * lds + n] = x;
     }
 }
@@ -338,7 +355,7 @@ inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* v, index_t ldv,
   for (; c < d; ++c)
     for (index_t r = 0; r < rows; ++r) {
       Acc x = acc[r * lda + c];
-      for (index_t j = 0; j < keys; ++j) x += p[r * ldp + j] * static_cast<Acc>(v[j * ldv + c]);
+      for (index_t j = 0; j < keys; ++j) x = tail_mul_add(p[r * ldp + j], static_cast<Acc>(v[j * ldv + c]), x);
       acc[r * lda + c] = x;
     }
 }

@@ -2,7 +2,8 @@
 /// Serving entry points: `attend_paged` (queries against a paged KV cache addressed by a block table, vLLM /
 /// FlashInfer style) and `attend_ragged` (sequences of different lengths packed end to end, located by cumulative
 /// offsets). Both validate everything first and run on policy::cpu<Arch> and policy::cuda (decode shapes on
-/// cuda.decode; ragged prefill one sequence at a time); other policies return unsupported.
+/// cuda.decode; ragged prefill one sequence at a time); other policies return unsupported. On the CPU flash
+/// policies both also take f32 Q and O with K and V in f16 or bf16 (a 16-bit KV cache), widened exactly as read.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include "../kernels/mask.hpp"
 #include "../kernels/modifiers.hpp"
 #include "attend.hpp"
+#include "kv_storage.hpp"
 #include "policy.hpp"
 
 #if FUSEDATTN_WITH_CUDA
@@ -192,6 +194,257 @@ void write_empty(const problem& p, const tensor_ref<T>& o, index_t b, index_t se
     }
 }
 
+/// attend_paged with Q and O of type T and the cache of type KV (T, or f16/bf16 beside f32 Q/O: mixed storage,
+/// the CPU flash policies only; the decode kernel and the tile loop read KV rows in their type and widen them).
+template <class Policy, class T, class KV, class Mask>
+status attend_paged_impl(const Policy& pol, const problem& p, const tensor_ref<const T>& q,
+                         const paged_kv<const KV>& kv, const tensor_ref<T>& o, const Mask& mask, float* lse) {
+  static_assert(is_serving_mask<Mask>::value,
+                "fusedattn: attend_paged takes dense, causal or window masks (optionally with score modifiers)");
+  static_assert(is_supported_scalar_v<T>,
+                "fusedattn supports float, double, Eigen::half and Eigen::bfloat16 for Q, K, V and O");
+  constexpr bool mixed = !std::is_same<T, KV>::value;
+  if (status st = validate_policy(pol); !st) return st;
+  if (status st = validate(p); !st) return st;
+  if (status st = check_operand("q", q, p.q_dims()); !st) return st;
+  if (status st = check_operand("o", o, p.o_dims()); !st) return st;
+  if (status st = check_mask(mask, p); !st) return st;
+  if constexpr (mixed && !is_cpu_flash<Policy>::value) {
+    return mixed_unsupported();
+  } else {
+    paged_kv<const KV> kv_host = kv;  // the cache with host-readable tables: policy::cuda copies them from the device
+#if FUSEDATTN_WITH_CUDA
+    std::vector<std::int32_t> table_copy, lens_copy;
+    if constexpr (std::is_same<Policy, policy::cuda>::value) {
+      const auto stream = static_cast<cudaStream_t>(pol.stream);
+      if (kv.seq_lens && p.batch > 0) {
+        if (status st = cuda_backend::table_to_host(kv.seq_lens, p.batch, lens_copy, stream, "kv.seq_lens"); !st)
+          return st;
+        kv_host.seq_lens = lens_copy.data();
+      }
+      index_t entries = 0;
+      if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 && mul_ok(p.batch, kv.blocks_per_seq, entries)) {
+        if (status st = cuda_backend::table_to_host(kv.block_table, entries, table_copy, stream, "kv.block_table"); !st)
+          return st;
+        kv_host.block_table = table_copy.data();
+      }
+    }
+#endif
+    if (status st = check_paged(p, kv_host); !st) return st;
+    if (!proven_disjoint(rows_disjoint(o)))
+      return status::invalid("o: its strides make distinct rows share memory (or could not be proven not to)");
+    const index_t bytes_o = span_elements(o) * index_t(sizeof(T));
+    const index_t bytes_q = span_elements(q) * index_t(sizeof(T));
+    const index_t bytes_pool =
+        pool_span(kv.pages, kv.page_size, p.heads_kv, p.head_dim, kv.stride) * index_t(sizeof(KV));
+    const index_t bytes_lse = p.lse_size() * index_t(sizeof(float));
+    if (overlaps(o.data, bytes_o, q.data, bytes_q))
+      return status::invalid("o overlaps q; the output must not alias an input");
+    if (overlaps(o.data, bytes_o, kv.k, bytes_pool))
+      return status::invalid("o overlaps kv.k; the output must not alias an input");
+    if (overlaps(o.data, bytes_o, kv.v, bytes_pool))
+      return status::invalid("o overlaps kv.v; the output must not alias an input");
+    if (lse) {
+      if (!fits_address_space(lse, bytes_lse)) return status::invalid("lse: does not fit in the address space");
+      const std::pair<const void*, index_t> others[4] = {
+          {q.data, bytes_q}, {o.data, bytes_o}, {kv.k, bytes_pool}, {kv.v, bytes_pool}};
+      const char* names[4] = {"q", "o", "kv.k", "kv.v"};
+      for (int i = 0; i < 4; ++i)
+        if (overlaps(lse, bytes_lse, others[i].first, others[i].second))
+          return status::invalid(std::string("lse overlaps ") + names[i]);
+    }
+    if constexpr (std::is_same<Policy, policy::cuda>::value) {
+#if FUSEDATTN_WITH_CUDA
+      index_t max_len = 0;
+      for (index_t b = 0; b < p.batch; ++b) max_len = std::max<index_t>(max_len, kv_host.seq_lens[b]);
+      return cuda_backend::attend_paged<T>(
+          pol, p, q, kv, o, [&](index_t len) { return bind_sequence(mask, p, p.seq_q, len); }, lse, max_len);
+#else
+      return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
+#endif
+    } else if constexpr (!is_cpu_flash<Policy>::value) {
+      return {errc::unsupported, "attend_paged runs on policy::cpu<Arch> and policy::cuda only"};
+    } else {
+      const kernels::paged_rows<KV> rows{kv.k, kv.v, kv.stride, kv.page_size, kv.block_table, kv.blocks_per_seq,
+                                        kv.seq_lens};
+      if (kernels::use_decode_kernel<band_mask>(p, pol.tiles)) {
+        if (!cpu::arch_available<typename Policy::arch>())
+          return {errc::unsupported, std::string("this CPU cannot run the ") + Policy::arch::name() +
+                                         " code of policy::cpu<Arch>; pick an arch it supports"};
+        return kernels::decode_attention<T, typename Policy::arch>(
+            p, q, rows, o, [&](index_t b) { return bind_sequence(mask, p, p.seq_q, kv.seq_lens[b]); }, lse,
+            pol.threads);
+      }
+      // Longer query blocks: the tile loop, one sequence at a time (each has its own length and mask).
+      for (index_t b = 0; b < p.batch; ++b) {
+        const index_t len = kv.seq_lens[b];
+        if (len == 0) {
+          write_empty(p, o, b, p.seq_q, lse, b * p.heads * p.seq_q, p.seq_q, bind_sequence(mask, p, p.seq_q, 0).mods);
+          continue;
+        }
+        problem pb = p;
+        pb.batch = 1;
+        pb.seq_kv = len;
+        const tensor_ref<const T> qb{q.row(b, 0, 0), pb.q_dims(), q.stride};
+        const tensor_ref<T> ob{o.row(b, 0, 0), pb.o_dims(), o.stride};
+        if (status st = kernels::flash_attention_kv<T, typename Policy::arch>(
+                pb, qb, rows.sequence(b), ob, bind(mask, pb), lse ? lse + b * p.heads * p.seq_q : nullptr, pol.threads,
+                pol.tiles);
+            !st)
+          return st;
+      }
+      return {};
+    }
+  }
+}
+
+/// One sequence of a ragged call: attend's kernel for its storage, as attend would run it (the plan's checks
+/// first). With f32 Q/O and 16-bit K/V, the CPU flash kernel over a strided KV source (kv_storage.hpp's attend).
+template <class Policy, class T, class KV, class Bound>
+status run_sequence(const Policy& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const KV>& k,
+                    const tensor_ref<const KV>& v, const tensor_ref<T>& o, const Bound& mask, float* lse) {
+  if constexpr (std::is_same<T, KV>::value) {
+    return run(pol, p, q, k, v, o, mask, lse);
+  } else {
+    const tensor_ref<const float> k32{nullptr, k.dims, k.stride}, v32{nullptr, v.dims, v.stride};
+    if (status st = plan_run(pol, p, q, k32, v32, o, mask, lse).st; !st) return st;
+    if (nothing_to_compute(p)) return {};
+    return kernels::flash_attention_kv<float, typename Policy::arch>(p, q, kernels::strided_kv<KV>{k, v}, o, mask,
+                                                                     lse, pol.threads, pol.tiles);
+  }
+}
+
+/// attend_ragged with Q and O of type T and K and V of type KV (as attend_paged_impl).
+template <class Policy, class T, class KV, class Mask>
+status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batch& rb, const tensor_ref<const T>& q,
+                          const tensor_ref<const KV>& k, const tensor_ref<const KV>& v, const tensor_ref<T>& o,
+                          const Mask& mask, float* lse) {
+  static_assert(is_serving_mask<Mask>::value,
+                "fusedattn: attend_ragged takes dense, causal or window masks (optionally with score modifiers)");
+  constexpr bool mixed = !std::is_same<T, KV>::value;
+  if (status st = validate_policy(pol); !st) return st;
+  if (p.batch != 1)
+    return status::invalid("problem.batch is " + str(p.batch) +
+                           "; a ragged call packs its sequences along seq (batch must be 1)");
+  if constexpr (mixed) {
+    if (status st = validate_mixed(p, q, k, v, o, mask, lse); !st) return st;
+  } else {
+    if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
+  }
+  if constexpr (mixed && !is_cpu_flash<Policy>::value) {
+    return mixed_unsupported();
+  } else {
+    if (rb.sequences <= 0)
+      return status::invalid("ragged.sequences is " + str(rb.sequences) + "; it must be positive");
+    ragged_batch rb_host = rb;  // offsets the host can read: policy::cuda copies them from the device
+#if FUSEDATTN_WITH_CUDA
+    std::vector<std::int32_t> cu_q_copy, cu_kv_copy;
+    if constexpr (std::is_same<Policy, policy::cuda>::value) {
+      const auto stream = static_cast<cudaStream_t>(pol.stream);
+      if (rb.cu_seqlens_q) {
+        if (status st = cuda_backend::table_to_host(rb.cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream,
+                                                    "ragged.cu_seqlens_q");
+            !st)
+          return st;
+        rb_host.cu_seqlens_q = cu_q_copy.data();
+      }
+      if (rb.cu_seqlens_kv) {
+        if (status st = cuda_backend::table_to_host(rb.cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream,
+                                                    "ragged.cu_seqlens_kv");
+            !st)
+          return st;
+        rb_host.cu_seqlens_kv = cu_kv_copy.data();
+      }
+    }
+#endif
+    if (status st = check_offsets("cu_seqlens_q", rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
+      return st;
+    if (status st = check_offsets("cu_seqlens_kv", rb_host.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv");
+        !st)
+      return st;
+    constexpr bool flash = is_cpu_flash<Policy>::value;
+    constexpr bool naive = std::is_same<Policy, policy::cpu_naive>::value;
+    if constexpr (std::is_same<Policy, policy::cuda>::value) {
+#if FUSEDATTN_WITH_CUDA
+      return cuda_backend::attend_ragged<T>(
+          pol, p, rb.sequences, rb_host.cu_seqlens_q, rb_host.cu_seqlens_kv, rb.cu_seqlens_kv, q, k, v, o,
+          [&](index_t nq, index_t nk) { return bind_sequence(mask, p, nq, nk); }, lse);
+#else
+      return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
+#endif
+    } else if constexpr (!flash && !naive) {
+      return {errc::unsupported, "attend_ragged runs on policy::cpu<Arch>, policy::cpu_naive and policy::cuda only"};
+    } else {
+      const std::int32_t* cu_q = rb.cu_seqlens_q;
+      const std::int32_t* cu_kv = rb.cu_seqlens_kv;
+      std::vector<float> lse_seq;
+      if constexpr (flash) {
+        // Every sequence has n query rows: the batch as (sequences, heads, n, d) views and a ragged KV source.
+        const index_t n = cu_q[1] - cu_q[0];
+        bool uniform = true;
+        for (index_t b = 1; b < rb.sequences; ++b) uniform &= cu_q[b + 1] - cu_q[b] == n;
+        problem pb = p;
+        pb.batch = rb.sequences;
+        pb.seq_q = n;
+        if (uniform && n > 0 && kernels::use_decode_kernel<band_mask>(pb, pol.tiles)) {
+          if (!cpu::arch_available<typename Policy::arch>())
+            return {errc::unsupported, std::string("this CPU cannot run the ") + Policy::arch::name() +
+                                           " code of policy::cpu<Arch>; pick an arch it supports"};
+          pb.seq_kv = 0;
+          for (index_t b = 0; b < rb.sequences; ++b) pb.seq_kv = std::max<index_t>(pb.seq_kv, cu_kv[b + 1] - cu_kv[b]);
+          const tensor_ref<const T> qb{q.data, pb.q_dims(), {n * q.stride.s, q.stride.h, q.stride.s, 1}};
+          const tensor_ref<T> ob{o.data, pb.o_dims(), {n * o.stride.s, o.stride.h, o.stride.s, 1}};
+          const kernels::ragged_kv<KV> src{k, v, cu_kv};
+          try {
+            if (lse) lse_seq.resize(static_cast<std::size_t>(pb.lse_size()));
+          } catch (const std::bad_alloc&) {
+            return {errc::out_of_memory, "attend_ragged: cannot allocate the lse staging buffer"};
+          }
+          if (status st = kernels::decode_attention<T, typename Policy::arch>(
+                  pb, qb, src, ob,
+                  [&](index_t b) { return bind_sequence(mask, p, n, cu_kv[b + 1] - cu_kv[b]); },
+                  lse ? lse_seq.data() : nullptr, pol.threads);
+              !st)
+            return st;
+          if (lse)  // [b][h][i] → [h][token]
+            for (index_t b = 0; b < rb.sequences; ++b)
+              for (index_t h = 0; h < p.heads; ++h)
+                for (index_t i = 0; i < n; ++i)
+                  lse[h * p.seq_q + cu_q[b] + i] = lse_seq[static_cast<std::size_t>((b * p.heads + h) * n + i)];
+          return {};
+        }
+      }
+      // One call per sequence, each with its own lengths.
+      for (index_t b = 0; b < rb.sequences; ++b) {
+        const index_t q0 = cu_q[b], nq = cu_q[b + 1] - q0, k0 = cu_kv[b], nk = cu_kv[b + 1] - k0;
+        if (nq == 0) continue;
+        const tensor_ref<T> ob{o.row(0, 0, q0), {1, p.heads, nq, p.head_dim}, o.stride};
+        if (nk == 0) {
+          write_empty(p, ob, 0, nq, lse, q0, p.seq_q, bind_sequence(mask, p, nq, 0).mods);
+          continue;
+        }
+        problem pb = p;
+        pb.seq_q = nq;
+        pb.seq_kv = nk;
+        const tensor_ref<const T> qb{q.row(0, 0, q0), pb.q_dims(), q.stride};
+        const tensor_ref<const KV> kb{k.row(0, 0, k0), pb.kv_dims(), k.stride};
+        const tensor_ref<const KV> vb{v.row(0, 0, k0), pb.kv_dims(), v.stride};
+        try {
+          if (lse) lse_seq.resize(static_cast<std::size_t>(pb.lse_size()));
+        } catch (const std::bad_alloc&) {
+          return {errc::out_of_memory, "attend_ragged: cannot allocate the lse staging buffer"};
+        }
+        if (status st = run_sequence(pol, pb, qb, kb, vb, ob, bind(mask, pb), lse ? lse_seq.data() : nullptr); !st)
+          return st;
+        if (lse)
+          for (index_t h = 0; h < p.heads; ++h)
+            for (index_t i = 0; i < nq; ++i) lse[h * p.seq_q + q0 + i] = lse_seq[static_cast<std::size_t>(h * nq + i)];
+      }
+      return {};
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Attention of p.seq_q query rows per sequence against a paged KV cache: for sequence b,
@@ -214,6 +467,9 @@ void write_empty(const problem& p, const tensor_ref<T>& o, index_t b, index_t se
 ///              head's sink logit with sinks).
 /// Decode-shaped calls (at most cpu::decode_max_rows query rows per kv head, default tiles) read K and V in place
 /// and split each sequence's keys across the threads; longer ones run the tile loop per sequence.
+/// The overload for f32 q and o with a paged_kv of Eigen::half or Eigen::bfloat16 (a 16-bit KV cache) runs on the
+/// CPU flash policies only (others return errc::unsupported); K and V rows are widened to f32 exactly as they are
+/// read, so the result is the all-f32 call's on the widened cache.
 /// @return ok; errc::invalid_argument naming the field and value (a page id out of range, a length beyond the
 ///         sequence's pages, a block table too short, ...), nothing written; errc::unsupported;
 ///         errc::out_of_memory (nothing written).
@@ -221,95 +477,20 @@ template <class Policy, class T, class Mask = dense>
 status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
                     const paged_kv<const detail::identity_t<T>>& kv, tensor_ref<T> o, const Mask& mask = {},
                     float* lse = nullptr) {
-  static_assert(detail::is_serving_mask<Mask>::value,
-                "fusedattn: attend_paged takes dense, causal or window masks (optionally with score modifiers)");
-  static_assert(is_supported_scalar_v<T>,
-                "fusedattn supports float, double, Eigen::half and Eigen::bfloat16 for Q, K, V and O");
-  if (status st = validate_policy(pol); !st) return st;
-  if (status st = validate(p); !st) return st;
-  if (status st = detail::check_operand("q", q, p.q_dims()); !st) return st;
-  if (status st = detail::check_operand("o", o, p.o_dims()); !st) return st;
-  if (status st = detail::check_mask(mask, p); !st) return st;
-  paged_kv<const T> kv_host = kv;  // the cache with host-readable tables: policy::cuda copies them from the device
-#if FUSEDATTN_WITH_CUDA
-  std::vector<std::int32_t> table_copy, lens_copy;
-  if constexpr (std::is_same<Policy, policy::cuda>::value) {
-    const auto stream = static_cast<cudaStream_t>(pol.stream);
-    if (kv.seq_lens && p.batch > 0) {
-      if (status st = cuda_backend::table_to_host(kv.seq_lens, p.batch, lens_copy, stream, "kv.seq_lens"); !st) return st;
-      kv_host.seq_lens = lens_copy.data();
-    }
-    index_t entries = 0;
-    if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 && detail::mul_ok(p.batch, kv.blocks_per_seq, entries)) {
-      if (status st = cuda_backend::table_to_host(kv.block_table, entries, table_copy, stream, "kv.block_table"); !st)
-        return st;
-      kv_host.block_table = table_copy.data();
-    }
-  }
-#endif
-  if (status st = detail::check_paged(p, kv_host); !st) return st;
-  if (!detail::proven_disjoint(detail::rows_disjoint(o)))
-    return status::invalid("o: its strides make distinct rows share memory (or could not be proven not to)");
-  const index_t bytes_o = span_elements(o) * index_t(sizeof(T));
-  const index_t bytes_q = span_elements(q) * index_t(sizeof(T));
-  const index_t bytes_pool =
-      detail::pool_span(kv.pages, kv.page_size, p.heads_kv, p.head_dim, kv.stride) * index_t(sizeof(T));
-  const index_t bytes_lse = p.lse_size() * index_t(sizeof(float));
-  if (detail::overlaps(o.data, bytes_o, q.data, bytes_q)) return status::invalid("o overlaps q; the output must not alias an input");
-  if (detail::overlaps(o.data, bytes_o, kv.k, bytes_pool)) return status::invalid("o overlaps kv.k; the output must not alias an input");
-  if (detail::overlaps(o.data, bytes_o, kv.v, bytes_pool)) return status::invalid("o overlaps kv.v; the output must not alias an input");
-  if (lse) {
-    if (!detail::fits_address_space(lse, bytes_lse)) return status::invalid("lse: does not fit in the address space");
-    const std::pair<const void*, index_t> others[4] = {{q.data, bytes_q}, {o.data, bytes_o}, {kv.k, bytes_pool}, {kv.v, bytes_pool}};
-    const char* names[4] = {"q", "o", "kv.k", "kv.v"};
-    for (int i = 0; i < 4; ++i)
-      if (detail::overlaps(lse, bytes_lse, others[i].first, others[i].second))
-        return status::invalid(std::string("lse overlaps ") + names[i]);
-  }
-  if constexpr (std::is_same<Policy, policy::cuda>::value) {
-#if FUSEDATTN_WITH_CUDA
-    index_t max_len = 0;
-    for (index_t b = 0; b < p.batch; ++b) max_len = std::max<index_t>(max_len, kv_host.seq_lens[b]);
-    return cuda_backend::attend_paged<T>(
-        pol, p, q, kv, o, [&](index_t len) { return detail::bind_sequence(mask, p, p.seq_q, len); }, lse, max_len);
-#else
-    return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
-#endif
-  } else if constexpr (!detail::is_cpu_flash<Policy>::value) {
-    return {errc::unsupported, "attend_paged runs on policy::cpu<Arch> and policy::cuda only"};
-  } else {
-    const kernels::paged_rows<T> rows{kv.k, kv.v, kv.stride, kv.page_size, kv.block_table, kv.blocks_per_seq,
-                                      kv.seq_lens};
-    if (kernels::use_decode_kernel<band_mask>(p, pol.tiles)) {
-      if (!cpu::arch_available<typename Policy::arch>())
-        return {errc::unsupported, std::string("this CPU cannot run the ") + Policy::arch::name() +
-                                       " code of policy::cpu<Arch>; pick an arch it supports"};
-      return kernels::decode_attention<T, typename Policy::arch>(
-          p, q, rows, o, [&](index_t b) { return detail::bind_sequence(mask, p, p.seq_q, kv.seq_lens[b]); }, lse,
-          pol.threads);
-    }
-    // Longer query blocks: the tile loop, one sequence at a time (each has its own length and mask).
-    for (index_t b = 0; b < p.batch; ++b) {
-      const index_t len = kv.seq_lens[b];
-      if (len == 0) {
-        detail::write_empty(p, o, b, p.seq_q, lse, b * p.heads * p.seq_q, p.seq_q,
-                            detail::bind_sequence(mask, p, p.seq_q, 0).mods);
-        continue;
-      }
-      problem pb = p;
-      pb.batch = 1;
-      pb.seq_kv = len;
-      const tensor_ref<const T> qb{q.row(b, 0, 0), pb.q_dims(), q.stride};
-      const tensor_ref<T> ob{o.row(b, 0, 0), pb.o_dims(), o.stride};
-      if (status st = kernels::flash_attention_kv<T, typename Policy::arch>(
-              pb, qb, rows.sequence(b), ob, bind(mask, pb), lse ? lse + b * p.heads * p.seq_q : nullptr, pol.threads,
-              pol.tiles);
-          !st)
-        return st;
-    }
-    return {};
-  }
+  return detail::attend_paged_impl<Policy, T, T, Mask>(pol, p, q, kv, o, mask, lse);
 }
+
+/// attend_paged for mixed storage: f32 q and o, K and V pools of Eigen::half or Eigen::bfloat16 (see above).
+template <class Policy, class KV, class Mask = dense,
+          std::enable_if_t<is_half_kv_v<std::remove_const_t<KV>>, int> = 0>
+status attend_paged(const Policy& pol, const problem& p, tensor_ref<const float> q, const paged_kv<KV>& kv,
+                    tensor_ref<float> o, const Mask& mask = {}, float* lse = nullptr) {
+  const paged_kv<const std::remove_const_t<KV>> ckv{kv.k,           kv.v,           kv.pages,   kv.page_size,
+                                                    kv.stride,      kv.block_table, kv.blocks_per_seq,
+                                                    kv.seq_lens};
+  return detail::attend_paged_impl<Policy, float, std::remove_const_t<KV>, Mask>(pol, p, q, ckv, o, mask, lse);
+}
+
 
 /// Attention over a ragged batch: sequences packed end to end along the sequence axis of q, k, v and o
 /// (views of batch extent 1, e.g. bshd views of [total_tokens][heads][head_dim] buffers). Sequence b attends its
@@ -327,6 +508,9 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail
 ///              (the head's sink logit with sinks).
 /// Each sequence gives bitwise the result of its own attend call. When every sequence has the same number of
 /// query rows and the call is decode-shaped, one decode-kernel call covers the batch (keys split across threads).
+/// The overload for f32 q and o with K and V views of Eigen::half or Eigen::bfloat16 runs on the CPU flash
+/// policies only (others, cpu_naive included, return errc::unsupported); K and V rows are widened to f32 exactly
+/// as they are read.
 /// @return ok; errc::invalid_argument naming the field and value (offsets not starting at 0, decreasing, or not
 ///         ending at the total, ...), nothing written; errc::unsupported; errc::out_of_memory.
 template <class Policy, class T, class Mask = dense>
@@ -334,117 +518,15 @@ status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb
                      tensor_ref<const detail::identity_t<T>> q, tensor_ref<const detail::identity_t<T>> k,
                      tensor_ref<const detail::identity_t<T>> v, tensor_ref<T> o, const Mask& mask = {},
                      float* lse = nullptr) {
-  static_assert(detail::is_serving_mask<Mask>::value,
-                "fusedattn: attend_ragged takes dense, causal or window masks (optionally with score modifiers)");
-  if (status st = validate_policy(pol); !st) return st;
-  if (p.batch != 1)
-    return status::invalid("problem.batch is " + detail::str(p.batch) +
-                           "; a ragged call packs its sequences along seq (batch must be 1)");
-  if (status st = validate(p, q, k, v, o, mask, lse); !st) return st;
-  if (rb.sequences <= 0)
-    return status::invalid("ragged.sequences is " + detail::str(rb.sequences) + "; it must be positive");
-  ragged_batch rb_host = rb;  // offsets the host can read: policy::cuda copies them from the device
-#if FUSEDATTN_WITH_CUDA
-  std::vector<std::int32_t> cu_q_copy, cu_kv_copy;
-  if constexpr (std::is_same<Policy, policy::cuda>::value) {
-    const auto stream = static_cast<cudaStream_t>(pol.stream);
-    if (rb.cu_seqlens_q) {
-      if (status st = cuda_backend::table_to_host(rb.cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream, "ragged.cu_seqlens_q"); !st)
-        return st;
-      rb_host.cu_seqlens_q = cu_q_copy.data();
-    }
-    if (rb.cu_seqlens_kv) {
-      if (status st = cuda_backend::table_to_host(rb.cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream, "ragged.cu_seqlens_kv"); !st)
-        return st;
-      rb_host.cu_seqlens_kv = cu_kv_copy.data();
-    }
-  }
-#endif
-  if (status st = detail::check_offsets("cu_seqlens_q", rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
-    return st;
-  if (status st = detail::check_offsets("cu_seqlens_kv", rb_host.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv");
-      !st)
-    return st;
-  constexpr bool flash = detail::is_cpu_flash<Policy>::value;
-  constexpr bool naive = std::is_same<Policy, policy::cpu_naive>::value;
-  if constexpr (std::is_same<Policy, policy::cuda>::value) {
-#if FUSEDATTN_WITH_CUDA
-    return cuda_backend::attend_ragged<T>(
-        pol, p, rb.sequences, rb_host.cu_seqlens_q, rb_host.cu_seqlens_kv, rb.cu_seqlens_kv, q, k, v, o,
-        [&](index_t nq, index_t nk) { return detail::bind_sequence(mask, p, nq, nk); }, lse);
-#else
-    return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};
-#endif
-  } else if constexpr (!flash && !naive) {
-    return {errc::unsupported, "attend_ragged runs on policy::cpu<Arch>, policy::cpu_naive and policy::cuda only"};
-  } else {
-    const std::int32_t* cu_q = rb.cu_seqlens_q;
-    const std::int32_t* cu_kv = rb.cu_seqlens_kv;
-    std::vector<float> lse_seq;
-    if constexpr (flash) {
-      // Every sequence has n query rows: the batch as (sequences, heads, n, d) views and a ragged KV source.
-      const index_t n = cu_q[1] - cu_q[0];
-      bool uniform = true;
-      for (index_t b = 1; b < rb.sequences; ++b) uniform &= cu_q[b + 1] - cu_q[b] == n;
-      problem pb = p;
-      pb.batch = rb.sequences;
-      pb.seq_q = n;
-      if (uniform && n > 0 && kernels::use_decode_kernel<band_mask>(pb, pol.tiles)) {
-        if (!cpu::arch_available<typename Policy::arch>())
-          return {errc::unsupported, std::string("this CPU cannot run the ") + Policy::arch::name() +
-                                         " code of policy::cpu<Arch>; pick an arch it supports"};
-        pb.seq_kv = 0;
-        for (index_t b = 0; b < rb.sequences; ++b) pb.seq_kv = std::max<index_t>(pb.seq_kv, cu_kv[b + 1] - cu_kv[b]);
-        const tensor_ref<const T> qb{q.data, pb.q_dims(), {n * q.stride.s, q.stride.h, q.stride.s, 1}};
-        const tensor_ref<T> ob{o.data, pb.o_dims(), {n * o.stride.s, o.stride.h, o.stride.s, 1}};
-        const kernels::ragged_kv<T> src{k, v, cu_kv};
-        try {
-          if (lse) lse_seq.resize(static_cast<std::size_t>(pb.lse_size()));
-        } catch (const std::bad_alloc&) {
-          return {errc::out_of_memory, "attend_ragged: cannot allocate the lse staging buffer"};
-        }
-        if (status st = kernels::decode_attention<T, typename Policy::arch>(
-                pb, qb, src, ob,
-                [&](index_t b) { return detail::bind_sequence(mask, p, n, cu_kv[b + 1] - cu_kv[b]); },
-                lse ? lse_seq.data() : nullptr, pol.threads);
-            !st)
-          return st;
-        if (lse)  // [b][h][i] → [h][token]
-          for (index_t b = 0; b < rb.sequences; ++b)
-            for (index_t h = 0; h < p.heads; ++h)
-              for (index_t i = 0; i < n; ++i)
-                lse[h * p.seq_q + cu_q[b] + i] = lse_seq[static_cast<std::size_t>((b * p.heads + h) * n + i)];
-        return {};
-      }
-    }
-    // One call per sequence, each with its own lengths.
-    for (index_t b = 0; b < rb.sequences; ++b) {
-      const index_t q0 = cu_q[b], nq = cu_q[b + 1] - q0, k0 = cu_kv[b], nk = cu_kv[b + 1] - k0;
-      if (nq == 0) continue;
-      const tensor_ref<T> ob{o.row(0, 0, q0), {1, p.heads, nq, p.head_dim}, o.stride};
-      if (nk == 0) {
-        detail::write_empty(p, ob, 0, nq, lse, q0, p.seq_q, detail::bind_sequence(mask, p, nq, 0).mods);
-        continue;
-      }
-      problem pb = p;
-      pb.seq_q = nq;
-      pb.seq_kv = nk;
-      const tensor_ref<const T> qb{q.row(0, 0, q0), pb.q_dims(), q.stride};
-      const tensor_ref<const T> kb{k.row(0, 0, k0), pb.kv_dims(), k.stride};
-      const tensor_ref<const T> vb{v.row(0, 0, k0), pb.kv_dims(), v.stride};
-      try {
-        if (lse) lse_seq.resize(static_cast<std::size_t>(pb.lse_size()));
-      } catch (const std::bad_alloc&) {
-        return {errc::out_of_memory, "attend_ragged: cannot allocate the lse staging buffer"};
-      }
-      if (status st = detail::run(pol, pb, qb, kb, vb, ob, bind(mask, pb), lse ? lse_seq.data() : nullptr); !st)
-        return st;
-      if (lse)
-        for (index_t h = 0; h < p.heads; ++h)
-          for (index_t i = 0; i < nq; ++i) lse[h * p.seq_q + q0 + i] = lse_seq[static_cast<std::size_t>(h * nq + i)];
-    }
-    return {};
-  }
+  return detail::attend_ragged_impl<Policy, T, T, Mask>(pol, p, rb, q, k, v, o, mask, lse);
+}
+
+/// attend_ragged for mixed storage: f32 q and o, K and V in Eigen::half or Eigen::bfloat16 (see above).
+template <class Policy, class KV, class Mask = dense, std::enable_if_t<is_half_kv_v<KV>, int> = 0>
+status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb, tensor_ref<const float> q,
+                     tensor_ref<const KV> k, tensor_ref<const KV> v, tensor_ref<float> o, const Mask& mask = {},
+                     float* lse = nullptr) {
+  return detail::attend_ragged_impl<Policy, float, KV, Mask>(pol, p, rb, q, k, v, o, mask, lse);
 }
 
 }  // namespace fusedattn

@@ -236,7 +236,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
                 if (!mask.allowed(r % p.seq_q, j)) continue;
                 const Acc p_rj = sc.s[static_cast<std::size_t>(r * lds + j - k0)];
                 const auto* vr = kv.v_row(b, h_kv, j);  // the KV source's storage type
-                for (index_t x = 0; x < d; ++x) arow[x] += p_rj * static_cast<Acc>(vr[x]);
+                for (index_t x = 0; x < d; ++x) arow[x] = cpu::tail_mul_add(p_rj, static_cast<Acc>(vr[x]), arow[x]);
               }
             }
           }
