@@ -15,8 +15,8 @@
 namespace fusedattn::bench {
 namespace {
 
-/// Storage of the decode rows' K/V (Q and O use the same type).
-enum class decode_type { f32, f16, bf16 };
+/// Storage of the decode rows' K/V (Q and O use the same type; bf16kv: bf16 K/V with f32 Q and O, mixed storage).
+enum class decode_type { f32, f16, bf16, bf16kv };
 
 struct decode_spec {
   index_t b = 1, h = 32, h_kv = 8, s_kv = 32768, d = 128;
@@ -26,7 +26,14 @@ struct decode_spec {
   int threads = 1;
 };
 
-const char* type_label(decode_type t) { return t == decode_type::f32 ? "f32" : t == decode_type::f16 ? "f16" : "bf16"; }
+const char* type_label(decode_type t) {
+  switch (t) {
+    case decode_type::f32: return "f32";
+    case decode_type::f16: return "f16";
+    case decode_type::bf16: return "bf16";
+    default: return "bf16kv";
+  }
+}
 
 std::string decode_name(const decode_spec& s) {
   return std::string("decode/") + type_label(s.type) + "/" + (s.paged ? "paged" : "contig") + "/b" +
@@ -34,19 +41,21 @@ std::string decode_name(const decode_spec& s) {
          std::to_string(s.s_kv) + "_d" + std::to_string(s.d) + "/threads:" + std::to_string(s.threads);
 }
 
-template <class T>
+template <class T, class KV = T>
 void decode_row(benchmark::State& state, decode_spec s) {
   const problem p{s.b, s.h, s.h_kv, 1, s.s_kv, s.d};
   const index_t kv_elems = s.b * s.h_kv * s.s_kv * s.d;
   std::vector<float> tmp(static_cast<std::size_t>(std::max(kv_elems, p.batch * p.heads * p.head_dim)));
-  auto make = [&](std::size_t n, std::uint64_t seed) {
+  auto make = [&](auto type, std::size_t n, std::uint64_t seed) {
+    using X = decltype(type);
     fill_uniform(tmp.data(), n, seed);
-    std::vector<T> x(n);
-    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<T>(tmp[i]);
+    std::vector<X> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<X>(tmp[i]);
     return x;
   };
-  const std::vector<T> q = make(static_cast<std::size_t>(p.batch * p.heads * p.head_dim), 1);
-  const std::vector<T> k = make(static_cast<std::size_t>(kv_elems), 2), v = make(static_cast<std::size_t>(kv_elems), 3);
+  const std::vector<T> q = make(T{}, static_cast<std::size_t>(p.batch * p.heads * p.head_dim), 1);
+  const std::vector<KV> k = make(KV{}, static_cast<std::size_t>(kv_elems), 2),
+                        v = make(KV{}, static_cast<std::size_t>(kv_elems), 3);
   std::vector<T> o(q.size());
   // Paged: the same keys in pages of page_size tokens ([page][token][kv_head][d]), pages in shuffled order.
   const index_t blocks = (s.s_kv + s.page_size - 1) / s.page_size;
@@ -54,7 +63,7 @@ void decode_row(benchmark::State& state, decode_spec s) {
                                                                                  static_cast<std::int32_t>(s.s_kv));
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), std::mt19937_64(4));
-  std::vector<T> k_pages, v_pages;
+  std::vector<KV> k_pages, v_pages;
   const page_strides ps = page_strides_of(page_layout::nhd, s.page_size, s.h_kv, s.d);
   if (s.paged) {
     k_pages.resize(static_cast<std::size_t>(s.b * blocks * ps.page));
@@ -75,10 +84,10 @@ void decode_row(benchmark::State& state, decode_spec s) {
   const auto call = [&] {
     if (s.paged)
       return attend_paged(pol, p, qv,
-                          paged<const T>(k_pages.data(), v_pages.data(), s.b * blocks, s.page_size, s.h_kv, s.d,
+                          paged<const KV>(k_pages.data(), v_pages.data(), s.b * blocks, s.page_size, s.h_kv, s.d,
                                          page_layout::nhd, table.data(), blocks, lens.data()),
                           ov, causal{align::bottom_right});
-    return attend(pol, p, qv, bhsd<const T>(k.data(), p.kv_dims()), bhsd<const T>(v.data(), p.kv_dims()), ov,
+    return attend(pol, p, qv, bhsd<const KV>(k.data(), p.kv_dims()), bhsd<const KV>(v.data(), p.kv_dims()), ov,
                   causal{align::bottom_right});
   };
   if (const status st = call(); !st) {  // untimed: first touch of scratch and operands
@@ -94,7 +103,7 @@ void decode_row(benchmark::State& state, decode_spec s) {
     benchmark::DoNotOptimize(o.data());
     benchmark::ClobberMemory();
   }
-  const double kv_bytes = 2.0 * static_cast<double>(kv_elems) * sizeof(T);
+  const double kv_bytes = 2.0 * static_cast<double>(kv_elems) * sizeof(KV);
   set_counters(state, p, s.threads, 1.0, cost::flops(p, 1.0), kv_bytes, kv_bytes);
   state.SetLabel(std::string(type_label(s.type)) + (s.paged ? " paged" : " contig") + " decode");
 }
@@ -103,22 +112,23 @@ void register_decode(const decode_spec& s) {
   const std::string name = decode_name(s);
   benchmark::internal::Benchmark* b =
       s.type == decode_type::f32   ? benchmark::RegisterBenchmark(name.c_str(), decode_row<float>, s)
-      : s.type == decode_type::f16 ? benchmark::RegisterBenchmark(name.c_str(), decode_row<Eigen::half>, s)
-                                   : benchmark::RegisterBenchmark(name.c_str(), decode_row<Eigen::bfloat16>, s);
+      : s.type == decode_type::f16  ? benchmark::RegisterBenchmark(name.c_str(), decode_row<Eigen::half>, s)
+      : s.type == decode_type::bf16 ? benchmark::RegisterBenchmark(name.c_str(), decode_row<Eigen::bfloat16>, s)
+                                    : benchmark::RegisterBenchmark(name.c_str(), decode_row<float, Eigen::bfloat16>, s);
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace
 
-/// Quick: S_kv 32768, 32/8 heads, d 128, batch 1, f32 and f16, contiguous and paged (16-token pages), 1 thread
-/// and all threads. Full: also S_kv 8192 and 131072, batch 8 at 8192, and bf16.
+/// Quick: S_kv 32768, 32/8 heads, d 128, batch 1, f32, f16 and bf16 K/V beside f32 Q/O (bf16kv), contiguous and
+/// paged (16-token pages), 1 thread and all threads. Full: also S_kv 8192 and 131072, batch 8 at 8192, and bf16.
 void register_decode_rows(const plan& pl) {
   std::vector<int> threads{1};
   if (pl.max_threads > 1) threads.push_back(pl.max_threads);
   std::vector<decode_spec> specs;
   const std::vector<decode_type> types =
-      pl.full ? std::vector<decode_type>{decode_type::f32, decode_type::f16, decode_type::bf16}
-              : std::vector<decode_type>{decode_type::f32, decode_type::f16};
+      pl.full ? std::vector<decode_type>{decode_type::f32, decode_type::f16, decode_type::bf16, decode_type::bf16kv}
+              : std::vector<decode_type>{decode_type::f32, decode_type::f16, decode_type::bf16kv};
   std::vector<std::pair<index_t, index_t>> shapes{{1, 32768}};  // (batch, s_kv)
   if (pl.full) shapes = {{1, 8192}, {1, 32768}, {1, 131072}, {8, 8192}};
   for (const auto& [b, s_kv] : shapes)
