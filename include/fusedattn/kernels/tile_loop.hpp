@@ -298,7 +298,7 @@ void pv_tile_allowed(const Mask& mask, const KV& kv, index_t b, index_t h_kv, in
       if (!mask.allowed(q0 + i, k0 + j)) continue;
       const Acc p_ij = p[i * ldp + j];
       const auto* vr = kv.v_row(b, h_kv, k0 + j);
-      for (index_t c = 0; c < d; ++c) a[c] += p_ij * static_cast<Acc>(vr[c]);
+      for (index_t c = 0; c < d; ++c) a[c] = cpu::tail_mul_add(p_ij, static_cast<Acc>(vr[c]), a[c]);
     }
   }
 }
