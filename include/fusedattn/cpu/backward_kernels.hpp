@@ -26,38 +26,10 @@ struct backward_shape {
   static constexpr index_t nr = (wide || scalar) ? 4 : 2;
 };
 
-/// One MR × (NV·W) block of C = A·Bᵀ (overwritten).
-///   a:  MR rows, row stride lda;                   shape MR × d
-///   bt: Bᵀ at the block's first column, row stride ldb;  shape d × (NV·W)
-///   c:  output, row stride ldc;                    shape MR × (NV·W)
-/// Math: c[r][j] = Σ_x a[r][x] · bt[x][j].
-template <class Acc, class Arch, index_t MR, index_t NV>
-FUSEDATTN_NOINLINE void abt_block(const Acc* a, index_t lda, const Acc* bt, index_t ldb, index_t d, Acc* c,
-                                  index_t ldc) {
-  using V = simd<Acc, Arch>;
-  using vec = typename V::type;
-  constexpr index_t W = V::width;
-  vec acc[MR][NV];
-  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) acc[r][n] = V::broadcast(Acc(0));
-  for (index_t x = 0; x < d; ++x) {
-    vec b_x[NV];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
-      b_x[n] = V::load(bt + x * ldb + n * W);
-      pin_register(b_x[n]);
-    }
-    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
-      const vec a_rx = V::broadcast(a[r * lda + x]);
-      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) acc[r][n] = V::fma(a_rx, b_x[n], acc[r][n]);
-    }
-  }
-  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(c + r * ldc + n * W, acc[r][n]);
-}
-
 /// C = A·Bᵀ for a whole tile: rows [0, rows), columns [0, vecs·W).
 ///   a: rows × d, row stride lda; bt: d × (vecs·W), row stride ldb; c: rows × (vecs·W), row stride ldc.
-/// Column blocks are the outer loop so a d × (nr·W) slice of Bᵀ stays in L1 while every row block uses it.
+/// Column blocks are the outer loop so a d × (nr·W) slice of Bᵀ stays in L1 while every row block uses it; each
+/// block is micro_kernels.hpp's qk_block (the forward's S = Q·Kᵀ block) at this file's register blocking.
 template <class Acc, class Arch>
 inline void abt_tile(const Acc* a, index_t lda, const Acc* bt, index_t ldb, index_t d, index_t rows, index_t vecs,
                      Acc* c, index_t ldc) {
@@ -67,10 +39,10 @@ inline void abt_tile(const Acc* a, index_t lda, const Acc* bt, index_t ldb, inde
   const auto columns = [&](index_t j, auto nv) {
     constexpr index_t NV = decltype(nv)::value;
     for (index_t i = 0; i < full_rows; i += MR)
-      abt_block<Acc, Arch, MR, NV>(a + i * lda, lda, bt + j * W, ldb, d, c + i * ldc + j * W, ldc);
+      qk_block<Acc, Arch, MR, NV>(a + i * lda, lda, bt + j * W, ldb, d, c + i * ldc + j * W, ldc);
     with_count<MR - 1>(rows - full_rows, [&](auto rest) {
-      abt_block<Acc, Arch, decltype(rest)::value, NV>(a + full_rows * lda, lda, bt + j * W, ldb, d,
-                                                      c + full_rows * ldc + j * W, ldc);
+      qk_block<Acc, Arch, decltype(rest)::value, NV>(a + full_rows * lda, lda, bt + j * W, ldb, d,
+                                                     c + full_rows * ldc + j * W, ldc);
     });
   };
   index_t j = 0;
@@ -82,7 +54,7 @@ inline void abt_tile(const Acc* a, index_t lda, const Acc* bt, index_t ldb, inde
 /// (Aᵀ·B) by the same code.
 ///   a: a[r·ars + x·axs] is element (r, x) of the MR × k operand; b: k rows of NV·W, row stride ldb;
 ///   c: in/out, row stride ldc, shape MR × (NV·W).
-/// Math: c[r][col] += Σ_x a(r, x) · b[x][col].
+/// Math: c[r][col] += Σ_x a(r, x) · b[x][col] (micro_kernels.hpp, fma_rows).
 template <class Acc, class Arch, index_t MR, index_t NV>
 FUSEDATTN_NOINLINE void acc_block(const Acc* a, index_t ars, index_t axs, const Acc* b, index_t ldb, index_t k,
                                   Acc* c, index_t ldc) {
@@ -92,18 +64,7 @@ FUSEDATTN_NOINLINE void acc_block(const Acc* a, index_t ars, index_t axs, const 
   vec acc[MR][NV];
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) acc[r][n] = V::load(c + r * ldc + n * W);
-  for (index_t x = 0; x < k; ++x) {
-    vec b_x[NV];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
-      b_x[n] = V::load(b + x * ldb + n * W);
-      pin_register(b_x[n]);
-    }
-    const Acc* a_x = a + x * axs;
-    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
-      const vec a_rx = V::broadcast(a_x[r * ars]);
-      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) acc[r][n] = V::fma(a_rx, b_x[n], acc[r][n]);
-    }
-  }
+  fma_rows<Acc, Arch, MR, NV>(acc, a, ars, axs, b, ldb, k);
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(c + r * ldc + n * W, acc[r][n]);
 }

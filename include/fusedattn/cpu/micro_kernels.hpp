@@ -21,6 +21,13 @@
 #define FUSEDATTN_UNROLL
 #endif
 
+/// Inlines a micro-kernel's inner loop into the micro-kernel (its accumulators then stay in registers).
+#if defined(__GNUC__) || defined(__clang__)
+#define FUSEDATTN_INLINE_BODY inline __attribute__((always_inline))
+#else
+#define FUSEDATTN_INLINE_BODY inline
+#endif
+
 namespace fusedattn {
 namespace cpu {
 
@@ -45,12 +52,38 @@ inline void with_count(index_t n, F&& f) {
   }
 }
 
+/// The inner loop that every register-blocked micro-kernel shares: acc[r][n] += Σ_x a(r, x) · b[x][n·W .. n·W+W)
+/// for x in [0, k), in ascending x.
+///   a: a(r, x) = a[r·ars + x·axs], so one body reads its operand row-wise (axs = 1) or column-wise;
+///   b: k rows of NV vectors, row stride ldb.
+/// The NV vectors of one b row are loaded once and used by all MR rows; each a element is broadcast once and used
+/// by all NV vectors.
+template <class Acc, class Arch, index_t MR, index_t NV>
+FUSEDATTN_INLINE_BODY void fma_rows(typename simd<Acc, Arch>::type (&acc)[MR][NV], const Acc* a, index_t ars,
+                                    index_t axs, const Acc* b, index_t ldb, index_t k) {
+  using V = simd<Acc, Arch>;
+  using vec = typename V::type;
+  constexpr index_t W = V::width;
+  for (index_t x = 0; x < k; ++x) {
+    vec b_x[NV];
+    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
+      b_x[n] = V::load(b + x * ldb + n * W);
+      pin_register(b_x[n]);
+    }
+    const Acc* a_x = a + x * axs;
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
+      const vec a_rx = V::broadcast(a_x[r * ars]);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) acc[r][n] = V::fma(a_rx, b_x[n], acc[r][n]);
+    }
+  }
+}
+
 /// One MR × (NR·W) block of S = Q·Kᵀ.
 ///   q:  MR rows of the (scaled) Q tile, row stride ldq;        shape MR × d
 ///   kt: the packed Kᵀ tile at the block's first key, row stride ldk;  shape d × (NR·W)
 ///   s:  output, row stride lds;                                 shape MR × (NR·W)
-/// Math: s[r][j] = Σ_c q[r][c] · kt[c][j]. The NR vectors of one kt row are loaded once and used by all MR rows;
-/// each q element is broadcast once and used by all NR vectors.
+/// Math: s[r][j] = Σ_c q[r][c] · kt[c][j] (fma_rows). The backward pass runs it for every C = A·Bᵀ over a packed Bᵀ
+/// (backward_kernels.hpp, abt_tile).
 template <class Acc, class Arch, index_t MR, index_t NR>
 FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index_t ldk, index_t d, Acc* s,
                                  index_t lds) {
@@ -60,17 +93,7 @@ FUSEDATTN_NOINLINE void qk_block(const Acc* q, index_t ldq, const Acc* kt, index
   vec acc[MR][NR];
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::broadcast(Acc(0));
-  for (index_t c = 0; c < d; ++c) {
-    vec k_c[NR];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) {
-      k_c[n] = V::load(kt + c * ldk + n * W);
-      pin_register(k_c[n]);
-    }
-    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
-      const vec q_rc = V::broadcast(q[r * ldq + c]);
-      FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
-    }
-  }
+  fma_rows<Acc, Arch, MR, NR>(acc, q, ldq, 1, kt, ldk, d);
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NR; ++n) V::store(s + r * lds + n * W, acc[r][n]);
 }
@@ -120,17 +143,7 @@ FUSEDATTN_NOINLINE void pv_block(const Acc* p, index_t ldp, const Acc* v, index_
     const vec a = V::broadcast(alpha[r]);
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::mul(a, V::load(acc + r * lda + n * W));
   }
-  for (index_t j = 0; j < keys; ++j) {
-    vec v_j[NV];
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
-      v_j[n] = V::load(v + j * ldv + n * W);
-      pin_register(v_j[n]);
-    }
-    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
-      const vec p_rj = V::broadcast(p[r * ldp + j]);
-      FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::fma(p_rj, v_j[n], o[r][n]);
-    }
-  }
+  fma_rows<Acc, Arch, MR, NV>(o, p, ldp, 1, v, ldv, keys);
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
 }
