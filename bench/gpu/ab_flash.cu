@@ -3,11 +3,13 @@
 // run on one card. Median of 22 loops of 5 calls between CUDA events, two input sets alternated.
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -DFUSEDATTN_WITH_CUDA=1 -I<tree>/include
 //        -isystem <eigen3> -Xcompiler -fopenmp -lgomp -lcublas bench/gpu/ab_flash.cu -o ab_flash   (one line)
-//   ab_flash TAG [mma] [softcap|alibi|sinks|all] [dims]
+//   ab_flash TAG [mma] [softcap|alibi|sinks|all] [dims] [tiles]
 //     mma: policy::cuda_kernel::flash_mma_sync instead of flash; softcap (cap 30), alibi (slopes 2^-(8(h+1)/H),
-//     the mask's alignment), sinks (logit 1), all: those score modifiers on every call; dims: the head_dims that
-//     run on padded tiles (40, 80, 136, 160, 192) instead of the list below. A call the tree refuses prints
-//     "refused" and the run goes on.
+//     the mask's alignment), sinks (logit 1), all: those score modifiers on every call; dims: the head_dims between
+//     the tile widths (40, 80, and 136–192 dense and causal) instead of the list below; tiles (with dims): each
+//     head_dim above 128 also on the Hopper tiles that could take it, launched directly (launch_flash_hopper,
+//     sm_90a builds on a Hopper: the 192 tile with 80, 96 and 112 keys, the 256 tile padded), each checked against
+//     the default call's O. A call the tree refuses prints "refused" and the run goes on.
 #include <fusedattn/fusedattn.hpp>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <vector>
 
 namespace fa = fusedattn;
+namespace cb = fusedattn::cuda_backend;
 using f16 = Eigen::half;
 
 struct shape {
@@ -27,19 +30,24 @@ struct shape {
 
 int main(int argc, char** argv) {
   const char* tag = argc > 1 ? argv[1] : "?";
-  bool mma = false, dims = false, use_cap = false, use_alibi = false, use_sinks = false;
+  bool mma = false, dims = false, tiles = false, use_cap = false, use_alibi = false, use_sinks = false;
   for (int a = 2; a < argc; ++a) {
     const std::string arg = argv[a];
     mma = mma || arg == "mma";
     dims = dims || arg == "dims";
+    tiles = tiles || arg == "tiles";
     use_cap = use_cap || arg == "softcap" || arg == "all";
     use_alibi = use_alibi || arg == "alibi" || arg == "all";
     use_sinks = use_sinks || arg == "sinks" || arg == "all";
   }
   const std::vector<shape> shapes =
       dims ? std::vector<shape>{{4, 16, 16, 4096, 4096, 40, 0},  {4, 16, 16, 4096, 4096, 80, 0},
-                                {4, 16, 16, 4096, 4096, 80, 1},  {4, 16, 16, 4096, 4096, 136, 1},
-                                {4, 16, 16, 4096, 4096, 160, 1}, {4, 16, 16, 4096, 4096, 192, 1}}
+                                {4, 16, 16, 4096, 4096, 80, 1},  {4, 16, 16, 4096, 4096, 136, 0},
+                                {4, 16, 16, 4096, 4096, 136, 1}, {4, 16, 16, 4096, 4096, 144, 0},
+                                {4, 16, 16, 4096, 4096, 144, 1}, {4, 16, 16, 4096, 4096, 160, 0},
+                                {4, 16, 16, 4096, 4096, 160, 1}, {4, 16, 16, 4096, 4096, 176, 0},
+                                {4, 16, 16, 4096, 4096, 176, 1}, {4, 16, 16, 4096, 4096, 192, 0},
+                                {4, 16, 16, 4096, 4096, 192, 1}}
            : std::vector<shape>{{4, 32, 32, 4096, 4096, 64, 0},  {4, 32, 32, 4096, 4096, 64, 1},
                                 {2, 16, 16, 8192, 8192, 128, 0}, {2, 16, 16, 8192, 8192, 128, 1},
                                 {4, 16, 16, 4096, 4096, 256, 1}, {4, 16, 16, 4096, 4096, 96, 1},
@@ -98,24 +106,61 @@ int main(int argc, char** argv) {
     cudaEvent_t a, b;
     cudaEventCreate(&a);
     cudaEventCreate(&b);
-    std::vector<float> ms;
-    for (int r = 0; r < 25; ++r) {
-      const int reps = 5;
-      cudaEventRecord(a);
-      for (int i = 0; i < reps; ++i) (void)call(i % 2);
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float t = 0;
-      cudaEventElapsedTime(&t, a, b);
-      if (r >= 3) ms.push_back(t / reps);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double med = ms[ms.size() / 2];
+    // Median ms of 22 loops of 5 calls of `run(i)`, input sets alternated.
+    const auto median_ms = [&](auto&& run) {
+      std::vector<float> ms;
+      for (int r = 0; r < 25; ++r) {
+        const int reps = 5;
+        cudaEventRecord(a);
+        for (int i = 0; i < reps; ++i) run(i % 2);
+        cudaEventRecord(b);
+        cudaEventSynchronize(b);
+        float t = 0;
+        cudaEventElapsedTime(&t, a, b);
+        if (r >= 3) ms.push_back(t / reps);
+      }
+      std::sort(ms.begin(), ms.end());
+      return double(ms[ms.size() / 2]);
+    };
     const double frac = s.mask == 0 ? 1.0 : s.sq == 1 ? 1.0 : 0.5;
     const double flops = 4.0 * s.b * s.h * double(s.sq) * s.skv * s.d * frac;
     const double bytes = 2.0 * nkv * 2;
+    const char* mask_name = s.mask == 0 ? "dense " : s.mask == 1 ? "causal" : "br";
+    const double med = median_ms([&](int i) { (void)call(i); });
     std::printf("%s (%d,%d/%d,%d,%d,%d) %s: %.4f ms  %.1f TFLOP/s  %.0f GB/s K+V\n", tag, s.b, s.h, s.hkv, s.sq, s.skv,
-                s.d, s.mask == 0 ? "dense " : s.mask == 1 ? "causal" : "br", med, flops / med / 1e9, bytes / med / 1e6);
+                s.d, mask_name, med, flops / med / 1e9, bytes / med / 1e6);
+    if (tiles && dims && s.d > 128 && !use_cap && !use_alibi && !use_sinks) {
+      // The default call's O of input set 0, then each tile's O of the same inputs against it.
+      std::vector<f16> o_default(nq), o_tile(nq);
+      (void)call(0);
+      cudaMemcpy(o_default.data(), o, nq * 2, cudaMemcpyDeviceToHost);
+      const fa::band_mask m = s.mask == 0 ? fa::bind(fa::dense{}, p) : fa::bind(fa::causal{alignment}, p);
+      const auto qs = fa::bhsd<const f16>(q[0], p.q_dims()).stride, ks = fa::bhsd<const f16>(k[0], p.kv_dims()).stride;
+      const float scale_log2 = float(p.softmax_scale() * 1.4426950408889634);
+      const auto time_tile = [&](auto tile, const char* label) {
+        using Tile = decltype(tile);
+        if (s.d > Tile::head_dim) return;
+        const auto run = [&](int i) {
+          cb::flash_params fp{q[i], k[i], v[i], o, nullptr, qs, ks, ks, qs, s.b, s.h, s.h / s.hkv, s.sq, s.skv,
+                              scale_log2, m, 1, nullptr, nullptr};
+          fp.head_dim = s.d;
+          if (!cb::launch_flash_hopper<__half, Tile>(fp, nullptr)) std::printf("  %s: refused\n", label);
+        };
+        const double t = median_ms(run);
+        run(0);
+        cudaMemcpy(o_tile.data(), o, nq * 2, cudaMemcpyDeviceToHost);
+        double diff = 0;
+        for (size_t i = 0; i < nq; ++i)
+          diff = std::max(diff, double(std::abs(float(o_tile[i]) - float(o_default[i]))));
+        std::printf("%s (%d,%d/%d,%d,%d,%d) %s %-13s: %.4f ms  %.1f TFLOP/s  max |O - O_default| %.2e%s\n", tag, s.b,
+                    s.h, s.hkv, s.sq, s.skv, s.d, mask_name, label, t, flops / t / 1e9, diff,
+                    diff < 1e-2 ? "" : "  <-- MISMATCH");
+      };
+      time_tile(cb::hopper_tile<192, 80, 1>{}, "tile 192x80");
+      time_tile(cb::hopper_tile<192, 96, 1>{}, "tile 192x96");
+      time_tile(cb::hopper_tile<192, 112, 1>{}, "tile 192x112");
+      time_tile(cb::hopper_tile<256, 80, 1>{}, "tile 256x80");
+    }
     release();
     if (cudaGetLastError() != cudaSuccess) return 1;
   }

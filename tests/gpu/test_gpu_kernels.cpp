@@ -144,9 +144,10 @@ void check_gpu(cuda_kernel kernel, const problem& p, layout l, const any_mask& m
   CHECK(gaps_untouched(c.o.view, c.o.buf, o_before));
 }
 
-/// Shapes for flash: every tile width (32, 64, 96, 128, 256) and head_dims between them (8, 40, 72, 80, 120, 136,
-/// 192, 200, 248: the next tile, its columns past head_dim zero; on a Hopper those above 64 take the Hopper tile) with tails of its q-tile (128 rows; 64 at head_dim 256) and key tile
-/// (64 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
+/// Shapes for flash: every tile width (32, 64, 96, 128, 256; on a Hopper 192 too) and head_dims between them (8, 40,
+/// 72, 80, 120, 136, 144, 176, 200, 248: the next tile, its columns past head_dim zero; on a Hopper those above 64
+/// take the Hopper tile, 136–192 its 192 tile) with tails of its q-tile (128 rows; 64 at head_dim 256 on mma.sync)
+/// and key tile (64, 80, 112 or 128 keys), s_q != s_kv both ways, seq 1, GQA and MQA.
 std::vector<problem> flash_shapes() {
   return {
       {1, 1, 1, 1, 1, 64},       {1, 2, 2, 7, 7, 128},     {2, 3, 3, 127, 127, 64},  {1, 2, 1, 128, 128, 128},
@@ -156,7 +157,8 @@ std::vector<problem> flash_shapes() {
       {1, 4, 2, 300, 129, 96},   {2, 2, 1, 128, 513, 96},  {1, 1, 1, 1, 1, 256},     {1, 4, 2, 65, 200, 256},
       {1, 2, 1, 300, 64, 256},   {1, 2, 2, 129, 129, 256},  {1, 2, 2, 65, 130, 8},    {2, 4, 2, 129, 300, 40},
       {1, 4, 2, 300, 129, 80},   {1, 2, 1, 200, 77, 136},   {1, 2, 2, 70, 150, 200},  {2, 2, 2, 129, 65, 72},
-      {1, 4, 2, 7, 1000, 120},   {1, 2, 1, 300, 333, 248},  {1, 4, 1, 1, 2000, 192},
+      {1, 4, 2, 7, 1000, 120},   {1, 2, 1, 300, 333, 248},  {1, 4, 1, 1, 2000, 192},  {1, 2, 2, 129, 250, 144},
+      {2, 3, 1, 130, 113, 176},  {1, 2, 1, 257, 225, 192},  {1, 2, 2, 1, 1, 192},
   };
 }
 
@@ -168,7 +170,7 @@ TEMPLATE_TEST_CASE("cuda flash matches the float64 oracle", "[gpu][flash]", Eige
   const auto shapes = flash_shapes();
   const auto masks = all_masks();
   const layout layouts[] = {layout::bhsd, layout::bshd};
-  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 31));
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 35));
   const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync);
   REQUIRE(shape_index < shapes.size());
   for (std::size_t m = 0; m < masks.size(); ++m)
@@ -289,7 +291,7 @@ TEST_CASE("cuda small shapes of every kernel (the compute-sanitizer run)", "[gpu
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode96, layout::bshd, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, p256, layout::bshd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, decode256, layout::bhsd, m);
-    // head_dim 72 and 160 on the Hopper 128 and 256 tiles (columns past head_dim read as zeros), split-KV at 200.
+    // head_dim 72 and 160 on the Hopper 128 and 192 tiles (columns past head_dim read as zeros), split-KV at 200.
     check_gpu<Eigen::half>(cuda_kernel::flash, p72, layout::bhsd, m);
     check_gpu<Eigen::bfloat16>(cuda_kernel::flash, p160, layout::padded16, m);
     check_gpu<Eigen::half>(cuda_kernel::flash, decode200, layout::bshd, m);
@@ -470,6 +472,31 @@ TEMPLATE_TEST_CASE("cuda flash with more work items than blocks (the Hopper kern
     for (bool uploaded : {false, true})
       check_gpu<TestType>(cuda_kernel::flash, p, layout::bhsd, block_sparse{layout, causal{}}, uploaded);
   }
+}
+
+// head_dim 136–192 on a Hopper: the 192 tile (three 64-column panels, 112-key tiles; P·V as products of 128 and 64
+// columns), with columns past head_dim read as zeros below 192. Every mask on a persistent grid of 2–3 items a block
+// (q-tails: 260 = 2·128 + 4; key tails: 230 = 2·112 + 6, 337 = 3·112 + 1), GQA 6:1 and 2:1, O in padded rows;
+// block-sparse layouts (host and device) of 80 % dropped blocks; causal and window calls of more than 8
+// items a block (one block per item); split-KV decode (parts of 192 columns merged into 152); lse throughout.
+TEMPLATE_TEST_CASE("cuda flash at head_dim 136 to 192 (the Hopper 192 tile) matches the float64 oracle",
+                   "[gpu][flash][block_sparse]", Eigen::half, Eigen::bfloat16) {
+  const problem shapes[] = {{1, 96, 16, 260, 230, 192}, {1, 48, 8, 200, 337, 160}, {2, 12, 6, 260, 130, 136}};
+  const layout layouts[] = {layout::bshd, layout::bhsd, layout::padded16};
+  for (std::size_t i = 0; i < 3; ++i) {
+    const problem& p = shapes[i];
+    const auto masks = all_masks();
+    for (std::size_t m = 0; m < masks.size(); ++m)
+      check_gpu<TestType>(cuda_kernel::flash, p, layouts[(i + m) % 3], masks[m]);
+    const block_geometry g{p.seq_q, p.seq_kv, 128, 64, 1, p.heads};
+    const block_layout layout = random_layout(g, 0.8, fresh_seed());
+    for (bool uploaded : {false, true})
+      check_gpu<TestType>(cuda_kernel::flash, p, layout::bhsd, block_sparse{layout, causal{}}, uploaded);
+  }
+  const problem many{1, 560, 2, 130, 100, 184};  // 1120 items
+  check_gpu<TestType>(cuda_kernel::flash, many, layout::bshd, causal{align::bottom_right});
+  check_gpu<TestType>(cuda_kernel::flash, many, layout::bhsd, window{40, 10});
+  check_gpu<TestType>(cuda_kernel::flash, problem{1, 4, 1, 1, 3000, 152}, layout::bhsd, causal{align::bottom_right});
 }
 
 // Causal and window calls with more than 8 items a block on 132 SMs: on a Hopper one block per item

@@ -166,13 +166,14 @@ block_layout half_sparse(const problem& p, std::uint64_t seed) {
 
 // Every kernel × modifier set × mask on GQA shapes with tails: s_q ≠ s_kv both ways (causal bottom-right with
 // s_q > s_kv leaves rows that see no key: O = 0, lse = the sink), head_dim 64 (the Hopper 64 tile), 128, 80 (the
-// mma.sync 96 tile with zero columns).
+// mma.sync 96 tile with zero columns), 176 (on a Hopper the 192 tile with zero columns).
 TEMPLATE_TEST_CASE("cuda score modifiers match the float64 reference", "[gpu][modifiers]", Eigen::half,
                    Eigen::bfloat16) {
   if (!have_device()) return;
-  const problem shapes[] = {{2, 4, 2, 300, 200, 64}, {1, 4, 1, 200, 333, 128}, {1, 2, 2, 130, 257, 80}};
+  const problem shapes[] = {{2, 4, 2, 300, 200, 64}, {1, 4, 1, 200, 333, 128}, {1, 2, 2, 130, 257, 80},
+                            {1, 2, 1, 150, 230, 176}};
   const cuda_kernel kernel = GENERATE(cuda_kernel::flash, cuda_kernel::flash_mma_sync, cuda_kernel::naive);
-  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 3));
+  const std::size_t shape_index = GENERATE(range<std::size_t>(0, 4));
   const problem& p = shapes[shape_index];
   const block_layout layout = half_sparse(p, 7 + shape_index);
   const any_mask masks[] = {dense{}, causal{align::bottom_right}, window{40, 8, align::top_left},
@@ -184,7 +185,7 @@ TEMPLATE_TEST_CASE("cuda score modifiers match the float64 reference", "[gpu][mo
 // Split-KV calls (decode-like: few q-blocks, long rows) add the sink once, in the merge of the parts.
 TEMPLATE_TEST_CASE("cuda score modifiers on split-KV calls", "[gpu][modifiers]", Eigen::half, Eigen::bfloat16) {
   if (!have_device()) return;
-  const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {1, 2, 2, 20, 3000, 64}};
+  const problem shapes[] = {{1, 4, 1, 1, 4000, 128}, {1, 2, 2, 20, 3000, 64}, {1, 2, 1, 1, 3000, 192}};
   for (const problem& p : shapes)
     for (const mod_set& set : all_sets) {
       check_mods<TestType>(cuda_kernel::flash, p, dense{}, set);

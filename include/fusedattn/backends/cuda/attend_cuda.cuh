@@ -122,18 +122,21 @@ enum class flash_route {
   hopper_64,
   hopper_128,
   hopper_padded_128,  ///< head_dim 72–120 on the 128 tile (columns past head_dim read as zeros)
+  hopper_192,
+  hopper_padded_192,  ///< head_dim 136–184 on the 192 tile
   hopper_256,
-  hopper_padded_256   ///< head_dim 136–248 on the 256 tile
+  hopper_padded_256   ///< head_dim 200–248 on the 256 tile
 };
 
 /// The flash route of a call flash_applies accepted: a Hopper tile where hopper_flash_ready says yes (unless
 /// `portable`) and the tile fits the mask, else mma_sync (head_dim 32 and below, and any call whose mask the Hopper
-/// tile does not fit, on its padded tile). head_dim 64, 128 and 256 take their own tiles; every other multiple of 8
-/// above 32 takes the next tile up (40–56 the warp-specialised 64 tiles, hopper_padded_128, hopper_padded_256),
-/// whose tensor maps read the columns past head_dim as zeros (launch_flash_hopper): the tensor cores then do up to
-/// 64/40, 128/72 or 256/136 of the work and still run it faster than the portable kernel. A call with score
-/// modifiers at head_dim 64 takes the default Hopper tile, and below 64 the portable kernel (the turns and
-/// whole-row tiles have no instantiation with modifiers). Errors only when the device cannot be asked.
+/// tile does not fit, on its padded tile). head_dim 64, 128, 192 and 256 take their own tiles; every other multiple
+/// of 8 above 32 takes the next tile up (40–56 the warp-specialised 64 tiles, hopper_padded_128, hopper_padded_192,
+/// hopper_padded_256), whose tensor maps read the columns past head_dim as zeros (launch_flash_hopper): the tensor
+/// cores then do up to 64/40, 128/72, 192/136 or 256/200 of the work and still run it faster than the portable
+/// kernel. A call with score modifiers at head_dim 64 takes the default Hopper tile, and below 64 the portable
+/// kernel (the turns and whole-row tiles have no instantiation with modifiers). Errors only when the device cannot
+/// be asked.
 template <class Mask>
 status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t stream, bool portable, flash_route& route) {
   route = flash_route::mma_sync;
@@ -160,13 +163,17 @@ status choose_flash_route(const problem& p, const Mask& mask, cudaStream_t strea
     return {};
   }
   using tile128 = typename hopper_default_tile<128>::type;
+  using tile192 = typename hopper_default_tile<192>::type;
   using tile256 = typename hopper_default_tile<256>::type;
+  static_assert(tile192::block_m == tile256::block_m, "head_dims above 128 share one q-tile height (flash_fits_mask)");
   // head_dim 128 keeps the Hopper tile whatever the mask (flash_fits_mask already asked for its 128-row q-tile).
   if (p.head_dim == 128) route = flash_route::hopper_128;
   else if (p.head_dim < 128 && hopper_fits_mask(mask, tile128::block_m)) route = flash_route::hopper_padded_128;
   // Above 128 the Hopper tile takes 128 query rows, the portable one 64 (flash_fits_mask checks 64): a
   // block-sparse layout whose block_q is an odd multiple of 64 stays on the portable kernel.
-  else if (p.head_dim > 128 && hopper_fits_mask(mask, tile256::block_m))
+  else if (p.head_dim > 128 && p.head_dim <= 192 && hopper_fits_mask(mask, tile192::block_m))
+    route = p.head_dim == 192 ? flash_route::hopper_192 : flash_route::hopper_padded_192;
+  else if (p.head_dim > 192 && hopper_fits_mask(mask, tile256::block_m))
     route = p.head_dim == 256 ? flash_route::hopper_256 : flash_route::hopper_padded_256;
   return {};
 }
@@ -181,6 +188,8 @@ R with_route_tile(flash_route route, index_t head_dim, R otherwise, F&& f) {
     case flash_route::hopper_64: return f(typename hopper_default_tile<64>::type{}, std::true_type{});
     case flash_route::hopper_128:
     case flash_route::hopper_padded_128: return f(typename hopper_default_tile<128>::type{}, std::true_type{});
+    case flash_route::hopper_192:
+    case flash_route::hopper_padded_192: return f(typename hopper_default_tile<192>::type{}, std::true_type{});
     case flash_route::hopper_256:
     case flash_route::hopper_padded_256: return f(typename hopper_default_tile<256>::type{}, std::true_type{});
     case flash_route::mma_sync: break;

@@ -1,6 +1,6 @@
 /// @file flash_hopper.cuh
 /// The fused forward kernel on Hopper's warpgroup tensor cores (sm_90a: wgmma.mma_async), f16 and bf16 with f32
-/// accumulation, head_dim 64, 128 and 256 (and every other multiple of 8 above 64 on the next tile up: launch_flash_hopper): the same function, masks,
+/// accumulation, head_dim 64, 128, 192 and 256 (and every other multiple of 8 above 64 on the next tile up: launch_flash_hopper): the same function, masks,
 /// block-sparse walk, GQA, split-KV and lse as the mma.sync kernel of flash.cuh, whose parameters (flash_params_t)
 /// and launch (launch_flash_kernel) it shares.
 /// Not the dispatch (attend_cuda.cuh picks it on sm_90 devices when the build has sm_90a code: hopper_flash_ready).
@@ -18,7 +18,7 @@
 /// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
 /// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
-///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128 and 256 and those padded to them, and 64 where
+///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 192 and 256 and those padded to them, and 64 where
 ///     every q-block sees every key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
 ///     items, whose three consumer warpgroups take turns on the tensor cores) — warp-specialised: a producer
 ///     warpgroup issues every copy (Q too) into buffers that "empty" mbarriers hand back, the consumer warpgroups
@@ -77,8 +77,10 @@ struct hopper_tile {
   /// item), two K, two V, the slack, and hopper_ws_shared.
   static constexpr int q_buffers = (2 * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256 <= 227 * 1024 ? 2 : 1;
   static constexpr int ws_smem_bytes = (q_buffers * block_m + 4 * block_n) * HeadDim * 2 + atom_bytes + 256;
-  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper kernel takes head_dim 64, 128 and 256");
-  static_assert(BlockN == 64 || BlockN == 80 || BlockN == 128, "wgmma_ss is written for block_n 64, 80 and 128");
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 192 || HeadDim == 256,
+                "the Hopper kernel takes head_dim 64, 128, 192 and 256");
+  static_assert(BlockN == 64 || BlockN == 80 || BlockN == 96 || BlockN == 112 || BlockN == 128,
+                "wgmma_ss is written for block_n 64, 80, 96, 112 and 128");
   static_assert(ws_smem_bytes <= 227 * 1024, "one block's shared memory on sm_90 is at most 227 KB");
 };
 
@@ -137,21 +139,26 @@ __device__ __forceinline__ void issue_scores(float (&s)[Tile::block_n / 8][4], s
 
 /// O (64 × D per warpgroup) += P (64 × BN, registers) · V (BN × D), issued and committed: BN/16 steps of 16 keys;
 /// the packed P of key tiles 2kk, 2kk + 1 is this warp's A fragment, V rows [16kk, 16kk + 16) an N-major
-/// descriptor over the panels of at most 128 output columns (head_dim 256: two products of N = 128, panels 0–1 and
-/// 2–3).
+/// descriptor over the panels of at most 128 output columns: D / 128 products of N = 128 (panels 2c, 2c + 1), then
+/// one of N = 64 for the last panel when D is an odd number of panels (head_dim 64: one of N = 64; 192: N = 128 on
+/// panels 0–1, N = 64 on panel 2; 256: two of N = 128).
 template <class E, class Tile>
 __device__ __forceinline__ void issue_pv(float (&acc)[Tile::head_dim / 8][4], std::uint32_t (&pk)[Tile::block_n / 8][2],
                                          std::uint64_t v_desc) {
-  constexpr int D = Tile::head_dim, BN = Tile::block_n, NV = D < 128 ? D : 128;
+  constexpr int D = Tile::head_dim, BN = Tile::block_n, wide = D / 128, rest = D % 128;
+  static_assert(rest == 0 || rest == 64, "issue_pv splits head_dim into products of 128 and 64 columns");
   fence_fragments(pk);  // P is in its registers before the first wgmma: no move may land between them
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
     const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
 #pragma unroll
-    for (int c = 0; c < D / NV; ++c)
-      wgmma_rs<E, NV>(*reinterpret_cast<float(*)[NV / 8][4]>(&acc[c * NV / 8]), a,
-                      desc_plus(v_desc, (c * NV / 64) * BN * 64 + kk * 16 * 64));
+    for (int c = 0; c < wide; ++c)
+      wgmma_rs<E, 128>(*reinterpret_cast<float(*)[16][4]>(&acc[c * 16]), a,
+                       desc_plus(v_desc, 2 * c * BN * 64 + kk * 16 * 64));
+    if constexpr (rest != 0)
+      wgmma_rs<E, rest>(*reinterpret_cast<float(*)[rest / 8][4]>(&acc[wide * 16]), a,
+                        desc_plus(v_desc, 2 * wide * BN * 64 + kk * 16 * 64));
   }
   wgmma_commit();
 }
@@ -810,7 +817,10 @@ inline bool hopper_flash_ready(cudaStream_t stream) {
 /// 128 query rows (two warpgroups) for all; head_dim 128 takes 128-key tiles and one block per multiprocessor
 /// (161 KB of shared memory, 220 registers a thread), head_dim 64 takes 64-key tiles and two blocks (49 KB each, at
 /// most 128 registers), head_dim 256 80-key tiles and one block (225 KB, the most that fits: 96-key tiles do not;
-/// 80 keys beat 64 by a few per cent). One warpgroup of 64 rows is much slower than two.
+/// 80 keys beat 64 by a few per cent), head_dim 192 (three 64-column panels) 112-key tiles and one block (217 KB,
+/// one Q buffer; on an H200, 80-key tiles with two Q buffers tie it without a mask and range from 8 % slower to 3 %
+/// faster under a causal one, 96-key tiles are 8-14 % slower, and head_dim 136-192 padded to the 256 tile 16-24 %).
+/// One warpgroup of 64 rows is much slower than two.
 template <int HeadDim>
 struct hopper_default_tile;
 template <>
@@ -820,6 +830,10 @@ struct hopper_default_tile<64> {
 template <>
 struct hopper_default_tile<128> {
   using type = hopper_tile<128, 128, 1>;
+};
+template <>
+struct hopper_default_tile<192> {
+  using type = hopper_tile<192, 112, 1>;
 };
 template <>
 struct hopper_default_tile<256> {
@@ -906,7 +920,8 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
 /// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
 /// asks for 16-byte multiple strides, which the maps need), the call runs the portable kernel instead.
-/// p.head_dim below the tile's (72–120 on the 128 tile, 136–248 on the 256 tile: choose_flash_route) needs the warp-specialised kernel, whose
+/// p.head_dim below the tile's (72–120 on the 128 tile, 136–184 on the 192 tile, 200–248 on the 256 tile:
+/// choose_flash_route) needs the warp-specialised kernel, whose
 /// copies are all tensor maps: they read the columns past p.head_dim as zeros, which add nothing to Q·Kᵀ and give
 /// P·V columns that the O store (its map stops at p.head_dim) and the merge leave out. `Mods`: the instantiation for
 /// calls with score modifiers.

@@ -1,6 +1,6 @@
 /// @file wgmma.cuh
 /// Hopper's warpgroup tensor-core primitives (sm_90a only): shared-memory matrix descriptors for 128-byte swizzled
-/// tiles, wgmma.mma_async m64nNk16 (N = 64 or 128, f16/bf16 in, f32 accumulators) with A from shared memory or from
+/// tiles, wgmma.mma_async m64nNk16 (N = 64 to 128, f16/bf16 in, f32 accumulators) with A from shared memory or from
 /// registers, its fence / commit / wait, the proxy fence that makes cp.async data visible to it, and stmatrix (the
 /// epilogue's stores of O into its staging tile).
 /// Thin PTX wrappers only; the kernel that uses them is flash_hopper.cuh. Every function here compiles to nothing
@@ -96,6 +96,10 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
   FUSEDATTN_WGMMA_ACC4(d, 0), FUSEDATTN_WGMMA_ACC4(d, 1), FUSEDATTN_WGMMA_ACC4(d, 2), FUSEDATTN_WGMMA_ACC4(d, 3), \
       FUSEDATTN_WGMMA_ACC4(d, 4), FUSEDATTN_WGMMA_ACC4(d, 5), FUSEDATTN_WGMMA_ACC4(d, 6), FUSEDATTN_WGMMA_ACC4(d, 7)
 #define FUSEDATTN_WGMMA_ACC40(d) FUSEDATTN_WGMMA_ACC32(d), FUSEDATTN_WGMMA_ACC4(d, 8), FUSEDATTN_WGMMA_ACC4(d, 9)
+#define FUSEDATTN_WGMMA_ACC48(d) \
+  FUSEDATTN_WGMMA_ACC40(d), FUSEDATTN_WGMMA_ACC4(d, 10), FUSEDATTN_WGMMA_ACC4(d, 11)
+#define FUSEDATTN_WGMMA_ACC56(d) \
+  FUSEDATTN_WGMMA_ACC48(d), FUSEDATTN_WGMMA_ACC4(d, 12), FUSEDATTN_WGMMA_ACC4(d, 13)
 #define FUSEDATTN_WGMMA_ACC64(d)                                                                                   \
   FUSEDATTN_WGMMA_ACC32(d), FUSEDATTN_WGMMA_ACC4(d, 8), FUSEDATTN_WGMMA_ACC4(d, 9), FUSEDATTN_WGMMA_ACC4(d, 10),   \
       FUSEDATTN_WGMMA_ACC4(d, 11), FUSEDATTN_WGMMA_ACC4(d, 12), FUSEDATTN_WGMMA_ACC4(d, 13),                       \
@@ -106,6 +110,14 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 #define FUSEDATTN_WGMMA_D40                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define FUSEDATTN_WGMMA_D48                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47}"
+#define FUSEDATTN_WGMMA_D56                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55}"
 #define FUSEDATTN_WGMMA_D64                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
@@ -132,7 +144,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
 template <class E, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a_desc, std::uint64_t b_desc,
                                          bool accumulate) {
-  static_assert(N == 64 || N == 80 || N == 128, "wgmma_ss is written for N = 64, 80 and 128");
+  static_assert(N == 64 || N == 80 || N == 96 || N == 112 || N == 128,
+                "wgmma_ss is written for N = 64, 80, 96, 112 and 128");
   static_assert(std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>, "wgmma_ss takes __half or __nv_bfloat16");
 #if FUSEDATTN_WGMMA_COMPILED
   if constexpr (N == 64 && std::is_same_v<E, __half>) {
@@ -143,6 +156,14 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a_d
     FUSEDATTN_WGMMA_SS(80, "f16", FUSEDATTN_WGMMA_D40, FUSEDATTN_WGMMA_ACC40, 40, 41, 42);
   } else if constexpr (N == 80) {
     FUSEDATTN_WGMMA_SS(80, "bf16", FUSEDATTN_WGMMA_D40, FUSEDATTN_WGMMA_ACC40, 40, 41, 42);
+  } else if constexpr (N == 96 && std::is_same_v<E, __half>) {
+    FUSEDATTN_WGMMA_SS(96, "f16", FUSEDATTN_WGMMA_D48, FUSEDATTN_WGMMA_ACC48, 48, 49, 50);
+  } else if constexpr (N == 96) {
+    FUSEDATTN_WGMMA_SS(96, "bf16", FUSEDATTN_WGMMA_D48, FUSEDATTN_WGMMA_ACC48, 48, 49, 50);
+  } else if constexpr (N == 112 && std::is_same_v<E, __half>) {
+    FUSEDATTN_WGMMA_SS(112, "f16", FUSEDATTN_WGMMA_D56, FUSEDATTN_WGMMA_ACC56, 56, 57, 58);
+  } else if constexpr (N == 112) {
+    FUSEDATTN_WGMMA_SS(112, "bf16", FUSEDATTN_WGMMA_D56, FUSEDATTN_WGMMA_ACC56, 56, 57, 58);
   } else if constexpr (std::is_same_v<E, __half>) {
     FUSEDATTN_WGMMA_SS(128, "f16", FUSEDATTN_WGMMA_D64, FUSEDATTN_WGMMA_ACC64, 64, 65, 66);
   } else {
@@ -177,9 +198,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 #undef FUSEDATTN_WGMMA_RS
 #undef FUSEDATTN_WGMMA_SS
 #undef FUSEDATTN_WGMMA_D64
+#undef FUSEDATTN_WGMMA_D56
+#undef FUSEDATTN_WGMMA_D48
 #undef FUSEDATTN_WGMMA_D40
 #undef FUSEDATTN_WGMMA_D32
 #undef FUSEDATTN_WGMMA_ACC64
+#undef FUSEDATTN_WGMMA_ACC56
+#undef FUSEDATTN_WGMMA_ACC48
 #undef FUSEDATTN_WGMMA_ACC40
 #undef FUSEDATTN_WGMMA_ACC32
 #undef FUSEDATTN_WGMMA_ACC4
