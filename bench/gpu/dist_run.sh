@@ -8,7 +8,9 @@
 #   bench/gpu/dist_run.sh            configure and build in build-gpu-dist (needs .deps from shared/device/fetch-deps.sh)
 #   bench/gpu/dist_run.sh BIN_DIR    use prebuilt example_13_context_parallel_nccl, example_13_context_parallel and
 #                                    test_dist_nccl, all in BIN_DIR
-#   SEQS=32768,65536 REPS=5 GPU_COUNTS="2 4" pick the sweep.
+#   SEQS=32768,65536 REPS=5 GPU_COUNTS="2 4" pick the sweep; BACKWARD=0 and PIECES=0 leave out the backward rows
+#   and the timing of one ring step's kernel and transfer alone and together; OLD_BIN=dir also benches the
+#   example_13_context_parallel_nccl in dir (another build, e.g. an earlier commit's) in the same run.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 cd "$(dirname "$0")/../.."
@@ -53,7 +55,26 @@ for n in $GPU_COUNTS; do
   echo "== NCCL bench, $n GPUs"
   "${MPIRUN[@]}" -np "$n" "$BIN/example_13_context_parallel_nccl" --bench --seq "$SEQS" --reps "$REPS" \
     --json "$OUT/dist_bench.jsonl" 2>&1 | tee "$OUT/nccl_bench_$n.log" || rc=1
+  if [[ -n ${OLD_BIN:-} ]]; then
+    echo "== NCCL bench, $n GPUs, $OLD_BIN"
+    "${MPIRUN[@]}" -np "$n" "$OLD_BIN/example_13_context_parallel_nccl" --bench --seq "$SEQS" --reps "$REPS" 2>&1 |
+      tee "$OUT/nccl_bench_old_$n.log" || rc=1
+  fi
+  if [[ ${PIECES:-1} != 0 ]]; then
+    echo "== one ring step's pieces, $n GPUs"
+    "${MPIRUN[@]}" -np "$n" "$BIN/example_13_context_parallel_nccl" --pieces --seq "$SEQS" --reps "$REPS" 2>&1 |
+      tee "$OUT/nccl_pieces_$n.log" || rc=1
+  fi
+  if [[ ${BACKWARD:-1} != 0 ]]; then
+    echo "== NCCL backward bench, $n GPUs"
+    "${MPIRUN[@]}" -np "$n" "$BIN/example_13_context_parallel_nccl" --backward --seq "$SEQS" --reps "$REPS" 2>&1 |
+      tee "$OUT/nccl_backward_$n.log" || rc=1
+  fi
 done
 echo "== table (card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
-cat "$OUT"/nccl_bench_*.log 2>/dev/null | grep -E '^(S|[0-9])' | sort -u -k2,2n -k1,1n | tee "$OUT/table.txt"
+cat "$OUT"/nccl_bench_[0-9]*.log 2>/dev/null | grep -E '^(S|[0-9])' | sort -u -k2,2n -k1,1n | tee "$OUT/table.txt"
+if [[ -n ${OLD_BIN:-} ]]; then
+  echo "== table, $OLD_BIN"
+  cat "$OUT"/nccl_bench_old_*.log 2>/dev/null | grep -E '^(S|[0-9])' | sort -u -k2,2n -k1,1n | tee "$OUT/table_old.txt"
+fi
 exit $rc

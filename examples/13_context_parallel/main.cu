@@ -6,6 +6,9 @@
 //                                                             TransformerEngine's tolerance 2.5e-2); exit 1 on a mismatch
 //   mpirun -np 2 ./example_13_context_parallel_nccl --bench  causal, 32 heads, head_dim 128, bf16, S 32k-256k:
 //        [--seq 32768,65536] [--reps 5] [--json out.jsonl]   scaling efficiency, communication hidden / exposed
+//   mpirun -np 2 ./example_13_context_parallel_nccl --backward [--seq ..] [--reps ..]   the same for the backward pass
+//   mpirun -np 2 ./example_13_context_parallel_nccl --pieces [--seq ..] [--reps ..]     one ring step's kernel and
+//                                                             transfer timed alone and together (cudaEvent)
 #include <cuda_runtime.h>
 #include <mpi.h>
 #include <nccl.h>
@@ -96,6 +99,12 @@ struct shard_set {
   }
   ~shard_set() {
     for (void* x : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse}) cudaFree(x);
+  }
+  /// One GPU's forward over the whole sequence (a shard_set of one rank), with lse.
+  fa::status run_one(cudaStream_t stream) {
+    return fa::attend(fa::policy::cuda{stream}, whole, fa::bhsd<const bf16>(q, whole.q_dims()),
+                      fa::bhsd<const bf16>(k, whole.kv_dims()), fa::bhsd<const bf16>(v, whole.kv_dims()),
+                      fa::bhsd(o, whole.o_dims()), fa::causal{}, lse);
   }
   fa::status run(dist::nccl_comm& comm, cudaStream_t stream, dist::options opt) {
     return dist::attend(comm, fa::policy::cuda{stream}, whole, fa::bhsd<const bf16>(q, local.q_dims()),
@@ -231,6 +240,156 @@ int bench(dist::nccl_comm& comm, cudaStream_t stream, const std::vector<long lon
   return 0;
 }
 
+/// The backward pass at the bench's shapes: one GPU's fa::attend_backward over the whole sequence against
+/// dist::attend_backward over N GPUs (zigzag ring), event-timed / host-timed as the forward rows.
+int bench_backward(dist::nccl_comm& comm, cudaStream_t stream, const std::vector<long long>& seqs, int reps) {
+  const int n = comm.size(), r = comm.rank();
+  if (r == 0) std::printf("%-7s %-3s %-10s %-10s %-7s (backward)\n", "S", "N", "t1_ms", "tN_ms", "eff_%");
+  for (long long s : seqs) {
+    const fa::problem p{1, 32, 32, s, s, 128};
+    auto grads = [](const fa::problem& lp, bf16*& a, bf16*& b, bf16*& c, bf16*& d) {
+      for (bf16** x : {&a, &b, &c, &d})
+        CHECK_CUDA(cudaMalloc(x, std::size_t(lp.batch * lp.heads * lp.seq_q * lp.head_dim) * sizeof(bf16)));
+    };
+    double t1 = 0;
+    if (r == 0) {
+      shard_set one(p, 1, 0);
+      if (const fa::status st = one.run_one(stream); !st) {
+        std::fprintf(stderr, "one GPU: %s\n", st.what());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      bf16 *d_o, *dq, *dk, *dv;
+      grads(p, d_o, dq, dk, dv);
+      CHECK_CUDA(cudaMemcpyAsync(d_o, one.q, std::size_t(p.batch * p.heads * p.seq_q * p.head_dim) * sizeof(bf16),
+                                 cudaMemcpyDeviceToDevice, stream));
+      cudaEvent_t e0, e1;
+      CHECK_CUDA(cudaEventCreate(&e0));
+      CHECK_CUDA(cudaEventCreate(&e1));
+      std::vector<double> t;
+      for (int i = 0; i <= reps; ++i) {
+        CHECK_CUDA(cudaEventRecord(e0, stream));
+        const fa::status st = fa::attend_backward(
+            fa::policy::cuda{stream}, p, fa::bhsd<const bf16>(one.q, p.q_dims()), fa::bhsd<const bf16>(one.k, p.kv_dims()),
+            fa::bhsd<const bf16>(one.v, p.kv_dims()), fa::bhsd<const bf16>(one.o, p.o_dims()),
+            fa::bhsd<const bf16>(d_o, p.o_dims()), one.lse, fa::bhsd(dq, p.q_dims()), fa::bhsd(dk, p.kv_dims()),
+            fa::bhsd(dv, p.kv_dims()), fa::causal{});
+        if (!st) std::fprintf(stderr, "one GPU backward: %s\n", st.what());
+        CHECK_CUDA(cudaEventRecord(e1, stream));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (i > 0) t.push_back(ms * 1e-3);
+      }
+      t1 = median(t);
+      for (void* x : {(void*)d_o, (void*)dq, (void*)dk, (void*)dv}) cudaFree(x);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    shard_set sh(p, n, r);
+    if (!sh.run(comm, stream, {})) return 1;
+    bf16 *d_o, *dq, *dk, *dv;
+    grads(sh.local, d_o, dq, dk, dv);
+    const fa::problem& lp = sh.local;
+    CHECK_CUDA(cudaMemcpyAsync(d_o, sh.q, std::size_t(lp.batch * lp.heads * lp.seq_q * lp.head_dim) * sizeof(bf16),
+                               cudaMemcpyDeviceToDevice, stream));
+    std::vector<double> t;
+    for (int i = 0; i <= reps; ++i) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto t0 = std::chrono::steady_clock::now();
+      const fa::status st = dist::attend_backward(
+          comm, fa::policy::cuda{stream}, p, fa::bhsd<const bf16>(sh.q, lp.q_dims()), fa::bhsd<const bf16>(sh.k, lp.kv_dims()),
+          fa::bhsd<const bf16>(sh.v, lp.kv_dims()), fa::bhsd<const bf16>(sh.o, lp.o_dims()),
+          fa::bhsd<const bf16>(d_o, lp.o_dims()), sh.lse, fa::bhsd(dq, lp.q_dims()), fa::bhsd(dk, lp.kv_dims()),
+          fa::bhsd(dv, lp.kv_dims()), fa::causal{}, {dist::layout::zigzag, dist::strategy::ring, {}});
+      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!st) std::fprintf(stderr, "rank %d backward: %s\n", r, st.what());
+      MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      if (i > 0) t.push_back(dt);
+    }
+    for (void* x : {(void*)d_o, (void*)dq, (void*)dk, (void*)dv}) cudaFree(x);
+    const double tn = median(t);
+    if (r == 0) std::printf("%-7lld %-3d %-10.2f %-10.2f %-7.1f (backward)\n", s, n, t1 * 1e3, tn * 1e3, 100.0 * t1 / (n * tn));
+  }
+  return 0;
+}
+
+/// One ring step's pieces, event-timed on every rank (rank 0 prints the slowest rank's medians): the flash kernel
+/// of a step alone, the K/V shard's transfer alone, and both at once as the ring runs them (the transfer started
+/// first on the engine's high-priority stream, the kernel right after): does the transfer slow the kernel by more
+/// than its own length? Two step shapes: a zigzag off-diagonal step (dense, lq × lkv/2) and the diagonal
+/// (causal, lq × lkv).
+int bench_pieces(dist::nccl_comm& comm, cudaStream_t stream, const std::vector<long long>& seqs, int reps) {
+  const int n = comm.size(), r = comm.rank();
+  if (n < 2) return 0;
+  if (r == 0)
+    std::printf("%-7s %-3s %-9s %-12s %-12s %-16s %-12s\n", "S", "N", "step", "kernel_ms", "xfer_ms",
+                "kernel+xfer_ms", "together_ms");
+  for (long long s : seqs) {
+    const fa::problem p{1, 32, 32, s, s, 128};
+    shard_set sh(p, n, r);
+    const fa::problem& lp = sh.local;
+    const fa::index_t kv_elems = lp.batch * lp.heads_kv * lp.seq_kv * lp.head_dim;
+    bf16 *send = nullptr, *recv = nullptr;
+    CHECK_CUDA(cudaMalloc(&send, std::size_t(2 * kv_elems) * sizeof(bf16)));
+    CHECK_CUDA(cudaMalloc(&recv, std::size_t(2 * kv_elems) * sizeof(bf16)));
+    CHECK_CUDA(cudaMemcpyAsync(send, sh.k, std::size_t(kv_elems) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    CHECK_CUDA(cudaMemcpyAsync(send + kv_elems, sh.v, std::size_t(kv_elems) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    cudaEvent_t e0, ek, e1;
+    for (cudaEvent_t* e : {&e0, &ek, &e1}) CHECK_CUDA(cudaEventCreate(e));
+    for (int shape = 0; shape < 2; ++shape) {
+      fa::problem bp = lp;
+      if (shape == 0) bp.seq_kv = lp.seq_kv / 2;
+      auto kernel = [&] {
+        const fa::status st =
+            shape == 0 ? fa::attend(fa::policy::cuda{stream}, bp, fa::bhsd<const bf16>(sh.q, bp.q_dims()),
+                                    fa::bhsd<const bf16>(sh.k, bp.kv_dims()), fa::bhsd<const bf16>(sh.v, bp.kv_dims()),
+                                    fa::bhsd(sh.o, bp.o_dims()), fa::dense{}, sh.lse)
+                       : fa::attend(fa::policy::cuda{stream}, bp, fa::bhsd<const bf16>(sh.q, bp.q_dims()),
+                                    fa::bhsd<const bf16>(sh.k, bp.kv_dims()), fa::bhsd<const bf16>(sh.v, bp.kv_dims()),
+                                    fa::bhsd(sh.o, bp.o_dims()), fa::causal{}, sh.lse);
+        if (!st) std::fprintf(stderr, "rank %d: %s\n", r, st.what());
+      };
+      // mode 0: kernel alone; 1: transfer alone; 2: both (transfer first, as the ring starts them).
+      double med[3][2] = {};
+      for (int mode = 0; mode < 3; ++mode) {
+        std::vector<double> ta, tb;
+        for (int i = 0; i <= reps; ++i) {
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          MPI_Barrier(MPI_COMM_WORLD);
+          dist::nccl_comm::request req{};
+          CHECK_CUDA(cudaEventRecord(e0, stream));
+          if (mode >= 1) {
+            const fa::status st = comm.start_exchange(send, (r + 1) % n, recv, (r - 1 + n) % n,
+                                                      std::size_t(2 * kv_elems) * sizeof(bf16), req, stream);
+            if (!st) std::fprintf(stderr, "rank %d: %s\n", r, st.what());
+          }
+          if (mode != 1) kernel();
+          CHECK_CUDA(cudaEventRecord(ek, stream));
+          if (mode >= 1) (void)comm.wait(req, stream);
+          CHECK_CUDA(cudaEventRecord(e1, stream));
+          CHECK_CUDA(cudaEventSynchronize(e1));
+          float a = 0, b = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&a, e0, ek));
+          CHECK_CUDA(cudaEventElapsedTime(&b, e0, e1));
+          double ab[2] = {a * 1e-3, b * 1e-3};
+          MPI_Allreduce(MPI_IN_PLACE, ab, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+          if (i > 0) ta.push_back(ab[0]), tb.push_back(ab[1]);
+        }
+        med[mode][0] = median(ta);
+        med[mode][1] = median(tb);
+      }
+      if (r == 0)
+        std::printf("%-7lld %-3d %-9s %-12.3f %-12.3f %-16.3f %-12.3f\n", s, n, shape == 0 ? "dense" : "diagonal",
+                    med[0][0] * 1e3, med[1][1] * 1e3, med[2][0] * 1e3, med[2][1] * 1e3);
+    }
+    for (cudaEvent_t e : {e0, ek, e1}) cudaEventDestroy(e);
+    cudaFree(send);
+    cudaFree(recv);
+  }
+  return 0;
+}
+
 std::vector<long long> parse_list(const char* s) {
   std::vector<long long> out;
   for (const char* p = s; *p;) {
@@ -272,18 +431,23 @@ int main(int argc, char** argv) {
     }
     cudaStream_t stream;
     CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    bool bench_mode = false;
+    bool bench_mode = false, backward_mode = false, pieces_mode = false;
     std::vector<long long> seqs = {32768, 65536, 131072, 262144};
     int reps = 5;
     const char* json = nullptr;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--bench") bench_mode = true;
+      else if (a == "--backward") backward_mode = true;
+      else if (a == "--pieces") pieces_mode = true;
       else if (a == "--seq" && i + 1 < argc) seqs = parse_list(argv[++i]);
       else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
       else if (a == "--json" && i + 1 < argc) json = argv[++i];
     }
-    rc = bench_mode ? bench(comm, stream, seqs, reps, json) : check(comm, stream);
+    rc = pieces_mode     ? bench_pieces(comm, stream, seqs, reps)
+         : backward_mode ? bench_backward(comm, stream, seqs, reps)
+         : bench_mode    ? bench(comm, stream, seqs, reps, json)
+                         : check(comm, stream);
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaStreamDestroy(stream);
   }

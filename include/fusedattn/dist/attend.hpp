@@ -16,6 +16,10 @@
 #include <variant>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "../core/problem.hpp"
 #include "../core/status.hpp"
 #include "../core/tensor.hpp"
@@ -99,6 +103,43 @@ class host_exec {
   status merge(const tensor_ref<TA>& o_a, const lse_ref<const float>& lse_a, const tensor_ref<TB>& o_b,
                const lse_ref<const float>& lse_b, const tensor_ref<TO>& o, const lse_ref<float>& lse) {
     return merge_partials(o_a, lse_a, o_b, lse_b, o, lse, threads_);
+  }
+
+  /// The union of `count` partial results of the same rows, in one pass: part i's O at parts + i · o.dims'
+  /// elements (laid out [b][h][s][d]) and its lse at lses + i · b·h·s ([b][h][s]), into o (converted to its type)
+  /// and, when not null, lse ([b][h][s]). Weights in double (merged_lse).
+  template <class P, class TO>
+  status merge_parts(const P* parts, const float* lses, int count, const tensor_ref<TO>& o, float* lse) {
+    const dims4 d = o.dims;
+    const index_t rows = d.b * d.h * d.s, elems = rows * d.d;
+    std::vector<double> weights(static_cast<std::size_t>(threads_) * static_cast<std::size_t>(count));
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads_) schedule(static) if (threads_ > 1)
+#endif
+    for (index_t row = 0; row < rows; ++row) {
+#if defined(_OPENMP)
+      double* w = weights.data() + static_cast<std::size_t>(omp_get_thread_num()) * static_cast<std::size_t>(count);
+#else
+      double* w = weights.data();
+#endif
+      const index_t i = row % d.s, h = row / d.s % d.h, b = row / d.s / d.h;
+      const double l = merged_lse<double>(lses + row, rows, count);
+      for (int p = 0; p < count; ++p) {  // −1 leaves a part out (its O not read): it saw no key, or no part did
+        const double lp = lses[p * rows + row];
+        w[p] = lp == -std::numeric_limits<double>::infinity() || l == -std::numeric_limits<double>::infinity()
+                   ? -1.0
+                   : std::exp(lp - l);
+      }
+      TO* out = o.row(b, h, i);
+      for (index_t c = 0; c < d.d; ++c) {
+        double x = 0;
+        for (int p = 0; p < count; ++p)
+          if (!(w[p] < 0.0)) x += w[p] * static_cast<double>(parts[p * elems + row * d.d + c]);
+        out[c] = static_cast<TO>(x);
+      }
+      if (lse) lse[row] = static_cast<float>(l);
+    }
+    return {};
   }
 
   /// Nothing to wait for: every operation above has finished when it returns.
@@ -350,36 +391,50 @@ status gather_kv(ring_link<Comm, Exec>& link, status& st, const problem& g, cons
   return {};
 }
 
+/// Whether `t` is laid out [b][h][s][d] with no gaps (a shard that can travel as it is).
+template <class T>
+bool packed(const tensor_ref<T>& t) {
+  const dims4 d = t.dims;
+  return t.stride.d == 1 && t.stride.s == d.d && t.stride.h == d.s * d.d && t.stride.b == d.h * d.s * d.d;
+}
+
 /// The schedule, on validated input that every rank agreed on. Writes o and lse only when every step succeeded on
 /// every rank.
+///
+/// Each step's block writes its own partial result (O in T, lse in float; a part's rows that no block covered keep
+/// lse = −inf); after the agreement one pass merges the parts by their lse straight into o and lse (merged_lse's
+/// rules). Per ring step that is one attend call and nothing else on the compute stream: no per-step merge, no
+/// float accumulator read and written N times, no final copy. The ring's first transfer sends the caller's K and V
+/// as they are when they are packed (no copy into a send buffer), and step 0 computes on them.
 template <class Comm, class Exec, class Policy, class T>
 status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tensor_ref<const T>& q,
            const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o, bool is_causal,
            float* lse, const options& opt, std::uint64_t fp, timings* tm) {
-  using acc_t = accum_t<T>;
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
   const int n = comm.size(), r = comm.rank();
   const problem lp = shard_problem(g, n);
   const index_t lq = lp.seq_q, lkv = lp.seq_kv;
   const index_t kv_elems = g.batch * g.heads_kv * lkv * g.head_dim;
+  const index_t o_elems = lp.batch * lp.heads * lq * lp.head_dim;
   const bool gather = opt.strategy == strategy::all_gather ||
                       (opt.strategy == strategy::automatic && g.heads_kv < g.heads);
+  // Ring: the caller's K and V are step 0's shard (and travel as they are) when both are packed.
+  const bool direct = !gather && packed(k) && packed(v);
+  const int part_count = gather ? 1 : n;  // ring: step i's part is part i
 
-  // Accumulator (acc_t, O and lse of the union so far) and one block's part (T, as attend writes it).
-  acc_t* acc_o = nullptr;
-  T* part_o = nullptr;
-  float *acc_lse = nullptr, *part_lse = nullptr;
   // Every buffer first, then one agreement: a rank that cannot allocate must not leave the others in a transfer.
+  T* parts = nullptr;         // part_count partial O's, [b][h][lq][d] each
+  float* part_lses = nullptr;  // their lse, [b][h][lq] each
+  float* block_lse = nullptr;  // a block's lse when it covers fewer rows than the shard's (packed [b][h][nq])
   T* buf[2] = {nullptr, nullptr};  // ring: the shard computed on and the one arriving
   T *all = nullptr, *gk = nullptr, *gv = nullptr;  // all-gather: one slot per rank, then K and V in global order
-  status st = ex.allocate(acc_o, lp.batch * lp.heads * lq * lp.head_dim);
+  status st = ex.allocate(parts, index_t(part_count) * o_elems);
   auto keep = [&st](const status& s) {  // the first failure is the one reported
     if (st) st = s;
   };
-  keep(ex.allocate(part_o, lp.batch * lp.heads * lq * lp.head_dim));
-  keep(ex.allocate(acc_lse, lp.lse_size()));
-  keep(ex.allocate(part_lse, lp.lse_size()));
+  keep(ex.allocate(part_lses, index_t(part_count) * lp.lse_size()));
+  keep(ex.allocate(block_lse, lp.lse_size()));
   if (!gather) {
     keep(ex.allocate(buf[0], 2 * kv_elems));
     keep(ex.allocate(buf[1], 2 * kv_elems));
@@ -391,23 +446,25 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   if (status s = agree(comm, st, fp); !s) return s;
   // From here on a failing step (a copy, a kernel) stops this rank's compute but not its transfers: the others
   // are waiting for them. The agreement at the end tells everyone. A failing transfer is returned at once.
-  keep(ex.fill(acc_lse, lp.lse_size(), -std::numeric_limits<float>::infinity()));
-  const tensor_ref<acc_t> acc = bhsd(acc_o, lp.q_dims());
-  const lse_ref<float> acc_l = lse_bhs(acc_lse, lp.q_dims());
+  keep(ex.fill(part_lses, index_t(part_count) * lp.lse_size(), -std::numeric_limits<float>::infinity()));
 
-  // One block against a K/V buffer laid out [b][h_kv][rows][d], merged into the accumulator's rows.
-  auto block = [&](const block_span& bs, const T* kb, const T* vb, index_t rows) -> status {
-    const block_inputs<T> in(g, bs, kb, vb, rows);
-    const tensor_ref<T> part = bhsd(part_o, in.p.q_dims());
-    const tensor_ref<const T> qs = rows_of(q, bs.q0, bs.nq);
-    const status s = with_block_mask(
-        bs.mask, [&](const auto& mask) { return fusedattn::attend(pol, in.p, qs, in.k, in.v, part, mask, part_lse); });
-    if (!s) return s;
-    const tensor_ref<acc_t> acc_rows = rows_of(acc, bs.q0, bs.nq);
-    const lse_ref<float> acc_l_rows = rows_of(acc_l, bs.q0, bs.nq);
-    return ex.merge(tensor_ref<const acc_t>(acc_rows), lse_ref<const float>(acc_l_rows),
-                    tensor_ref<const T>(part), lse_bhs(static_cast<const float*>(part_lse), in.p.q_dims()), acc_rows,
-                    acc_l_rows);
+  // One block against the K/V in hand (views of every key row in hand), into part `pi`'s rows [q0, q0 + nq).
+  auto block = [&](const block_span& bs, const tensor_ref<const T>& kh, const tensor_ref<const T>& vh,
+                   int pi) -> status {
+    problem bp = g;
+    bp.seq_q = bs.nq;
+    bp.seq_kv = bs.nk;
+    const tensor_ref<T> part = rows_of(bhsd(parts + pi * o_elems, lp.q_dims()), bs.q0, bs.nq);
+    const bool whole = bs.nq == lq;  // attend writes lse packed [b][h][nq]: the part's own rows when they are all
+    float* l = whole ? part_lses + pi * lp.lse_size() : block_lse;
+    const status s = with_block_mask(bs.mask, [&](const auto& mask) {
+      return fusedattn::attend(pol, bp, rows_of(q, bs.q0, bs.nq), rows_of(kh, bs.k0, bs.nk), rows_of(vh, bs.k0, bs.nk),
+                               part, mask, l);
+    });
+    if (!s || whole) return s;
+    const tensor_ref<const float> from{block_lse, {g.batch, g.heads, bs.nq, 1}, {g.heads * bs.nq, bs.nq, 1, 1}};
+    const tensor_ref<float> to{part_lses + pi * lp.lse_size(), {g.batch, g.heads, bs.nq, 1}, {g.heads * lq, lq, 1, 1}};
+    return ex.copy(from, rows_of(to, bs.q0, bs.nq));
   };
   // After a failure a rank keeps communicating (the others are waiting for its transfers) but computes no more.
   auto compute = [&](status s) {
@@ -417,35 +474,50 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
 
   if (!gather) {
     // Ring: step i computes on the shard of rank r − i while shard r − i − 1 arrives (double buffering).
-    keep(pack_kv(ex, k, v, buf[0], lp));
+    auto shard_k = [&](const T* b) { return tensor_ref<const T>(bhsd(b, lp.kv_dims())); };
+    auto shard_v = [&](const T* b) { return tensor_ref<const T>(bhsd(b + kv_elems, lp.kv_dims())); };
+    tensor_ref<const T> kh = k, vh = v;
+    if (!direct) {
+      keep(pack_kv(ex, k, v, buf[0], lp));
+      kh = shard_k(buf[0]);
+      vh = shard_v(buf[0]);
+    }
     int cur = 0;
     for (int i = 0; i < n; ++i) {
-      typename Comm::request req{};
+      typename Comm::request req{}, req_v{};
       const bool moving = i + 1 < n && opt.parts.communicate;
-      if (moving)
-        if (status s = link.start(buf[cur], buf[1 - cur], std::size_t(2 * kv_elems) * sizeof(T), req); !s) return s;
+      const bool two = moving && i == 0 && direct;  // K and V from the caller's buffers: one exchange each
+      if (moving) {
+        const std::size_t bytes = std::size_t(two ? kv_elems : 2 * kv_elems) * sizeof(T);
+        if (status s = link.start(two ? k.data : buf[cur], buf[1 - cur], bytes, req); !s) return s;
+        if (two)
+          if (status s = link.start(v.data, buf[1 - cur] + kv_elems, bytes, req_v); !s) return s;
+      }
       if (st && opt.parts.compute)
         for (const block_span& bs : ring_blocks(r, (r - i + n) % n, lq, lkv, is_causal, opt.layout))
-          compute(block(bs, buf[cur], buf[cur] + kv_elems, lkv));
+          compute(block(bs, kh, vh, i));
       if (moving) {
         if (status s = link.finish(req); !s) return s;
+        if (two)
+          if (status s = link.finish(req_v); !s) return s;
         cur = 1 - cur;
+        kh = shard_k(buf[cur]);
+        vh = shard_v(buf[cur]);
       }
     }
   } else {
     if (status s = gather_kv(link, st, g, k, v, all, gk, gv, opt); !s) return s;
     if (st && opt.parts.compute)
-      for (const block_span& bs : gathered_blocks(g, n, r, is_causal, opt.layout)) compute(block(bs, gk, gv, g.seq_kv));
+      for (const block_span& bs : gathered_blocks(g, n, r, is_causal, opt.layout))
+        compute(block(bs, bhsd<const T>(gk, g.kv_dims()), bhsd<const T>(gv, g.kv_dims()), 0));
   }
   if (st) {
     const status synced = ex.synchronize();
     st = synced;
   }
   if (status s = agree(comm, st, fp); !s) return s;
-  // Every rank succeeded: write the outputs.
-  if (status s = ex.copy(tensor_ref<const acc_t>(acc), o); !s) return s;
-  if (lse)
-    if (status s = ex.copy_floats(acc_lse, lse, lp.lse_size()); !s) return s;
+  // Every rank succeeded: the parts, merged, are the outputs.
+  if (status s = ex.merge_parts(static_cast<const T*>(parts), part_lses, part_count, o, lse); !s) return s;
   if (status s = ex.synchronize(); !s) return s;
   if (tm) {
     tm->total = std::chrono::duration<double>(clock::now() - t_start).count();

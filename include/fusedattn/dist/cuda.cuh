@@ -168,6 +168,12 @@ class cuda_exec {
     return cuda::merge_partials(o_a, lse_a, o_b, lse_b, o, lse, stream_);
   }
 
+  /// The union of `count` partial results in one pass (cuda::detail::merge_parts, host_exec::merge_parts' layout).
+  template <class P, class TO>
+  status merge_parts(const P* parts, const float* lses, int count, const tensor_ref<TO>& o, float* lse) {
+    return cuda::detail::merge_parts(parts, lses, count, o, lse, stream_);
+  }
+
   status synchronize() { return cuda_backend::from_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
  private:

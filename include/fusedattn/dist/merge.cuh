@@ -7,6 +7,7 @@
 #error "fusedattn/dist/merge.cuh must be compiled by nvcc (a .cu file)"
 #endif
 
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -44,6 +45,47 @@ __global__ void merge_rows_kernel(tensor_ref<const EA> a, lse_ref<const float> l
     po[c] = narrow<EO>(x);
   }
   if (lane == 0) lo.row(bb, h)[i] = static_cast<float>(w.lse);
+}
+
+/// Columns a lane of merge_parts_kernel holds at once: 8 × 32 covers head_dim 256 in one sweep over the parts.
+constexpr int merge_parts_cols = 8;
+
+/// One warp per row: the union of `count` parts (part p's row at parts + p · elems + row · d, its lse at
+/// lses[p · rows + row]) into o and, when not null, lse. Every lane forms merged_lse and the weights alike; lanes
+/// hold columns lane, lane + 32, ... of up to merge_parts_cols · 32 columns, summed over the parts in W.
+template <class EP, class EO, class W>
+__global__ void merge_parts_kernel(const EP* parts, const float* lses, int count, tensor_ref<EO> o, float* lse) {
+  using cuda_backend::narrow;
+  using cuda_backend::widen;
+  const index_t row = index_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const dims4 d = o.dims;
+  const index_t rows = d.b * d.h * d.s, elems = rows * d.d;
+  if (row >= rows) return;
+  const index_t i = row % d.s, h = row / d.s % d.h, b = row / d.s / d.h;
+  const W neg_inf = -std::numeric_limits<W>::infinity();
+  const W l = merged_lse<W>(lses + row, rows, count);
+  EO* out = o.row(b, h, i);
+  for (index_t c0 = 0; c0 < d.d; c0 += 32 * merge_parts_cols) {
+    W x[merge_parts_cols] = {};
+    for (int p = 0; p < count && l != neg_inf; ++p) {
+      const W lp = static_cast<W>(lses[p * rows + row]);
+      if (lp == neg_inf) continue;  // saw no key: O not read
+      const W w = exp(lp - l);
+      const EP* a = parts + p * elems + row * d.d;
+#pragma unroll
+      for (int j = 0; j < merge_parts_cols; ++j) {
+        const index_t c = c0 + lane + 32 * j;
+        if (c < d.d) x[j] += w * static_cast<W>(widen(a[c]));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < merge_parts_cols; ++j) {
+      const index_t c = c0 + lane + 32 * j;
+      if (c < d.d) out[c] = narrow<EO>(x[j]);
+    }
+  }
+  if (lse != nullptr && lane == 0) lse[row] = static_cast<float>(l);
 }
 
 template <class T>
@@ -88,6 +130,27 @@ status merge_partials(const tensor_ref<TA>& o_a, const lse_ref<const float>& lse
       a, lse_a, b, lse_b, detail::to_device_type(o), lse);
   return cuda_backend::last_launch("fusedattn::cuda::merge_partials");
 }
+
+namespace detail {
+
+/// The union of `count` partial results of the same rows in one pass, on `stream`: part p's O at parts + p · the
+/// elements of o.dims (laid out [b][h][s][d]), its lse at lses + p · b·h·s ([b][h][s]); into o (any strides) and,
+/// when not null, lse ([b][h][s]). merged_lse's rules; weights in float (double when P or TO is double).
+template <class P, class TO>
+status merge_parts(const P* parts, const float* lses, int count, const tensor_ref<TO>& o, float* lse,
+                   cudaStream_t stream) {
+  const index_t rows = o.dims.b * o.dims.h * o.dims.s;
+  if (rows == 0) return {};
+  constexpr int threads = 256;
+  const index_t blocks = (rows + threads / 32 - 1) / (threads / 32);
+  using W = std::conditional_t<std::is_same_v<P, double> || std::is_same_v<TO, double>, double, float>;
+  using EP = cuda_backend::device_t<P>;
+  merge_parts_kernel<EP, cuda_backend::device_t<TO>, W><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      reinterpret_cast<const EP*>(parts), lses, count, to_device_type(o), lse);
+  return cuda_backend::last_launch("fusedattn::dist merge_parts");
+}
+
+}  // namespace detail
 
 /// merge_partials on device memory with lse buffers laid out [b][h][s] contiguously.
 template <class TA, class TB, class TO>

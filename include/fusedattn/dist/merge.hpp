@@ -39,6 +39,29 @@ lse_ref<F> lse_bhs(F* data, dims4 d) {
 
 // merge_weights (the weights of one row's (O, lse) merge) is core/online_softmax.hpp's, shared with the kernels.
 
+/// The lse of the union of `count` partial results of one row, part i's lse at l[i · stride] (natural log):
+/// m + log Σ exp(l_i − m) over the parts with l_i ≠ −inf, m the largest; −inf when every part is −inf (no key
+/// seen); NaN when any part is NaN (or +inf, through inf − inf). Part i's weight in the union's O is then
+/// exp(l_i − lse), a part with l_i = −inf left out (its O not read): the same rules as merge_weights, for any
+/// number of parts in one pass. Host/device-clean.
+template <class W>
+FUSEDATTN_HOST_DEVICE inline W merged_lse(const float* l, index_t stride, int count) {
+  const W neg_inf = -std::numeric_limits<W>::infinity();
+  W m = neg_inf;
+  for (int i = 0; i < count; ++i) {
+    const W x = static_cast<W>(l[i * stride]);
+    if (x != x) return x;  // NaN: it reaches the whole row
+    m = x > m ? x : m;
+  }
+  if (m == neg_inf) return m;
+  W sum = 0;
+  for (int i = 0; i < count; ++i) {
+    const W x = static_cast<W>(l[i * stride]);
+    if (x != neg_inf) sum += exp(x - m);
+  }
+  return m + log(sum);
+}
+
 namespace detail {
 
 template <class F>
