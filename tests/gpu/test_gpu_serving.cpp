@@ -1,11 +1,13 @@
 // Serving on CUDA (cuda.decode): attend_paged against a paged cache (pages of 16 and 64 tokens, both layouts,
 // shuffled block tables, unowned pool slots holding NaN), attend_ragged (decode over mixed lengths including 0 and 1,
 // and prefill sequence by sequence), plain attend on decode shapes (fa::plan names cuda.decode), GQA 32/8, 8/8 and
-// 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; the NaN contract on a masked key;
-// bad tables and offsets refused with nothing written.
+// 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; batches whose keys split over
+// the SMs (partial tiles, idle warps, short last splits) rerun bitwise; the NaN contract on a masked key; bad tables
+// and offsets refused with nothing written.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -295,6 +297,56 @@ TEMPLATE_TEST_CASE("cuda attend on decode shapes runs cuda.decode", "[gpu][servi
                           p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
       }
     }
+}
+
+TEMPLATE_TEST_CASE("cuda decode splits a batch's keys over the SMs: tails, split counts, bitwise reruns",
+                   "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  // Batch 8 × 8 kv heads: the keys of each (sequence, kv head) split into a few blocks of 4 warps × 16-key tiles;
+  // S_kv 4099 and 4033 leave a partial tile, a partial round of warps and a short last split; S_kv 5 leaves warps idle.
+  for (const problem& p : {problem{8, 32, 8, 1, 4099, 128}, problem{8, 32, 8, 1, 5, 128}, problem{3, 16, 4, 2, 4033, 64}})
+    for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}},
+                                     serving_mask{window{700, 0, align::bottom_right}}}) {
+      const std::uint64_t seed = fresh_seed();
+      std::mt19937_64 rng(seed);
+      INFO(scalar_name<T>() << " b=" << p.batch << " h=" << p.heads << " h_kv=" << p.heads_kv << " s_q=" << p.seq_q
+                            << " s_kv=" << p.seq_kv << " d=" << p.head_dim << " " << mask_label(mask) << " seed=" << seed);
+      std::uniform_real_distribution<double> u(-1.0, 1.0);
+      auto fill = [&](index_t count) {
+        std::vector<T> x(static_cast<std::size_t>(count));
+        for (auto& e : x) e = T(float(u(rng)));
+        return x;
+      };
+      const std::vector<T> q = fill(p.batch * p.heads * p.seq_q * p.head_dim),
+                           k = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim),
+                           v = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim);
+      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+      const auto qv = bhsd<const T>(dq.ptr, p.q_dims()), kv = bhsd<const T>(dk.ptr, p.kv_dims()),
+                 vv = bhsd<const T>(dv.ptr, p.kv_dims());
+      REQUIRE(gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr).ok());
+      const std::vector<T> o = d_o.get();
+      const std::vector<float> lse = dlse.get();
+      const index_t rows = p.heads * p.seq_q * p.head_dim, keys = p.heads_kv * p.seq_kv * p.head_dim;
+      for (index_t b = 0; b < p.batch; ++b) {
+        problem pb = p;
+        pb.batch = 1;
+        check_sequence<T>(pb, bhsd<const T>(q.data() + b * rows, pb.q_dims()), bhsd<const T>(k.data() + b * keys, pb.kv_dims()),
+                          bhsd<const T>(v.data() + b * keys, pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
+                          p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
+      }
+      // The same call again: bitwise the same O and lse (fixed split count, fixed merge order).
+      REQUIRE(gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr).ok());
+      const std::vector<T> o2 = d_o.get();
+      const std::vector<float> lse2 = dlse.get();
+      CHECK(std::memcmp(o.data(), o2.data(), o.size() * sizeof(T)) == 0);
+      CHECK(std::memcmp(lse.data(), lse2.data(), lse.size() * sizeof(float)) == 0);
+    }
+  // Paged, the same batch shape with ragged lengths: pages of 16, each sequence its own split tails.
+  run_paged<T>({1, 32, 8, 1, 1, 128}, 16, page_layout::nhd, {4099, 4033, 1, 4100, 63, 4096, 17, 2000},
+               causal{align::bottom_right});
+  run_paged<T>({1, 32, 8, 1, 1, 128}, 64, page_layout::hnd, {4099, 4033, 1, 4100, 63, 4096, 17, 2000}, dense{});
 }
 
 TEST_CASE("cuda decode keeps a masked key's inf and NaN out of the rows that do not see it", "[gpu][serving]") {

@@ -1,7 +1,8 @@
 /// @file decode.cuh
 /// The CUDA decode kernel ("cuda.decode"): a few query rows per kv head (the GQA group's heads × seq_q <= 16) against
-/// a long KV cache read from a strided tensor, a paged cache or a ragged batch, at memory speed. Not the prefill
-/// kernel (flash.cuh); no score modifiers yet.
+/// a long KV cache read from a strided tensor, a paged cache or a ragged batch: four warps a block stream K/V tiles
+/// through cp.async and mma.sync, keys split over the SMs and merged by lse. Not the prefill kernel (flash.cuh); no
+/// score modifiers yet.
 #pragma once
 
 #include <algorithm>
@@ -55,11 +56,6 @@ struct decode_kv {
   __device__ __forceinline__ index_t base(int b, int h) const {
     return (cu != nullptr ? index_t(cu[b]) * token : index_t(b) * batch) + index_t(h) * head;
   }
-  __device__ __forceinline__ index_t offset(int b, int h, index_t base_bh, index_t j) const {
-    if (block_table == nullptr) return base_bh + j * token;
-    const index_t pg = block_table[index_t(b) * blocks_per_seq + j / page_size];
-    return pg * page + index_t(h) * head + (j % page_size) * token;
-  }
 };
 
 /// Run-time parameters of one decode launch. Row r of a block (r < rows = group · seq_q) is query i = r % seq_q of
@@ -82,71 +78,64 @@ struct decode_params {
   float* lse_part = nullptr;  ///< [split][b][h][i]
 };
 
-/// The tile geometry of a decode instantiation: 128 threads; key tiles of block_n rows, `stages` of them in flight
-/// through cp.async; rows padded to Rows (4, 8 or 16) query rows.
-template <int HeadDim, int Rows>
+/// The tile geometry of a decode instantiation: 128 threads, four warps that stream keys independently. Each warp
+/// takes key tiles of 16 (tiles w, w + 4, w + 8, ... of its block's share), each through its own cp.async pipeline of
+/// `stages` tiles in shared memory, and runs Q·Kᵀ and P·V on mma.sync m16n8k16 with the query rows (at most 16)
+/// padded to 16; the four warps' online-softmax states are merged in shared memory at the end, in warp order.
+template <int HeadDim>
 struct decode_tile {
   static constexpr int threads = 128;
   static constexpr int warps = threads / 32;
   static constexpr int head_dim = HeadDim;
-  static constexpr int rows = Rows;
-  static constexpr int block_n = HeadDim > 128 ? 32 : 64;
-  static constexpr int stages = 3;
-  static constexpr int chunks = HeadDim / 8;               ///< 16-byte chunks of a row
-  static constexpr int pitch = HeadDim + 8;                ///< smem row pitch in elements (conflict-free 16 B reads)
-  static constexpr int slices = threads / chunks;          ///< key slices of the P·V step
-  static constexpr int score_groups = threads / block_n;   ///< row groups of the Q·Kᵀ step
-  static constexpr int rows_per_thread = Rows / score_groups > 0 ? Rows / score_groups : 1;
-  static constexpr int s_pitch = block_n + 1;
-  static_assert(threads % chunks == 0 && block_n % slices == 0, "decode tile: slices must divide the tile");
-  static_assert(Rows % score_groups == 0 || Rows < score_groups, "decode tile: rows must split over score groups");
+  static constexpr int rows = 16;                            ///< query rows of the mma tile
+  static constexpr int warp_keys = 16;                       ///< keys of one warp's tile
+  static constexpr int block_n = warps * warp_keys;          ///< keys of one round of the block's warps
+  static constexpr int stages = HeadDim <= 64 ? 5 : 3;       ///< per warp; stages − 1 tiles in flight
+  static constexpr int chunks = HeadDim / 8;                 ///< 16-byte chunks of a row
+  static constexpr int pitch = HeadDim + 8;                  ///< smem row pitch in elements (conflict-free ldmatrix)
+  static constexpr int p_pitch = warp_keys + 1;              ///< pitch of a warp's P tile (masked tiles only)
+  static_assert(HeadDim % 16 == 0 && (warp_keys * chunks) % 32 == 0, "decode tile: head_dim a multiple of 16");
 
   template <class E>
-  static constexpr std::size_t stage_bytes() { return std::size_t(2) * block_n * pitch * sizeof(E); }
+  static constexpr std::size_t warp_stage_bytes() { return std::size_t(2) * warp_keys * pitch * sizeof(E); }
+  /// The pipelines, or after the loop the warps' states: acc [warp][row][d] and (m, l) [warp][row], f32.
+  template <class E>
+  static constexpr std::size_t big_bytes() {
+    const std::size_t pipe = std::size_t(warps) * stages * warp_stage_bytes<E>();
+    const std::size_t reduce = std::size_t(warps) * rows * (HeadDim + 2) * sizeof(float);
+    return pipe > reduce ? pipe : reduce;
+  }
   template <class E>
   static constexpr std::size_t smem_bytes() {
-    const std::size_t pipe = stages * stage_bytes<E>();
-    const std::size_t reduce = std::size_t(slices) * Rows * HeadDim * sizeof(float);
-    const std::size_t fixed = std::size_t(Rows) * HeadDim * sizeof(float) + std::size_t(Rows) * s_pitch * sizeof(float) +
-                              3 * Rows * sizeof(float);
-    return (pipe > reduce ? pipe : reduce) + fixed;
+    return big_bytes<E>() + std::size_t(rows) * pitch * sizeof(E) + std::size_t(warps) * rows * p_pitch * sizeof(float);
   }
 };
 
-/// Eight 16-bit values (16 bytes) widened to float.
-template <class E>
-__device__ __forceinline__ void widen8(const uint4& raw, float (&x)[8]) {
-  const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    x[2 * u] = mma_type<E>::unpack(w[u], 0);
-    x[2 * u + 1] = mma_type<E>::unpack(w[u], 1);
-  }
-}
-
-/// One block: (sequence b, kv head h_kv, split) over its share of the sequence's keys.
-///   per key tile [k0, k0 + block_n):  S = (scale·log2e·Q)·Kᵀ   (rows × block_n, f32)
-///                                     m' = max(m, rowmax S), P = 2^(S − m'), l = l·2^(m − m') + rowsum P
-///                                     acc = acc·2^(m − m') + P·V
-///   at the end: O = acc / l, lse = ln2·(m + log2 l); a row without keys: O = 0, lse = −inf.
-/// Masked and out-of-range keys get P = 0; keys past the range are zero-filled, and on a tile with masked keys
-/// inside the range P·V skips P = 0 (a masked key's inf or NaN in V reaches no output).
+/// One block: (sequence b, kv head h_kv, split) over its share of the sequence's keys; warp w over key tiles w, w + 4,
+/// ... of 16 keys. Per warp tile [k0, k0 + 16):
+///   S = Q·Kᵀ (mma, f32), scaled by scale·log2e   (16 rows × 16 keys)
+///   m' = max(m, rowmax S), P = 2^(S − m'), l = l·2^(m − m') + rowsum P
+///   acc = acc·2^(m − m') + P·V                    (P rounded to the storage type, mma, f32)
+/// then the warps' (m, l, acc) are merged in warp order: O = Σ 2^(m_w − M)·acc_w / Σ 2^(m_w − M)·l_w,
+/// lse = ln2·(M + log2 L); a row without keys: O = 0, lse = −inf; a NaN l (a NaN logit) gives NaN.
+/// Masked and out-of-range keys get P = 0; keys past the range are zero-filled; a warp tile with a masked key inside
+/// the range runs P·V on CUDA cores and skips P = 0 there (a masked key's inf or NaN in V reaches no output).
 template <class E, class Tile>
 __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_params p) {
-  constexpr int D = Tile::head_dim, R = Tile::rows, BN = Tile::block_n, ST = Tile::stages;
-  constexpr int C = Tile::chunks, PITCH = Tile::pitch, NS = Tile::slices, SG = Tile::score_groups;
-  constexpr int RPT = Tile::rows_per_thread, SP = Tile::s_pitch;
+  constexpr int D = Tile::head_dim, R = Tile::rows, WK = Tile::warp_keys, ST = Tile::stages, W = Tile::warps;
+  constexpr int C = Tile::chunks, PITCH = Tile::pitch, PP = Tile::p_pitch, NT = D / 8;
+  constexpr int STAGE = 2 * WK * PITCH;  // elements of one warp stage: K rows then V rows
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  E* kv_smem = reinterpret_cast<E*>(smem_raw);
-  const std::size_t big = Tile::template smem_bytes<E>() - (std::size_t(R) * D + std::size_t(R) * SP + 3 * R) * sizeof(float);
-  float* q_s = reinterpret_cast<float*>(smem_raw + big);  // R × D
-  float* s_s = q_s + R * D;                                // R × SP
-  float* alpha_s = s_s + R * SP;                           // R
-  float* l_s = alpha_s + R;                                // R
-  float* m_s = l_s + R;                                    // R
-  float* red_s = reinterpret_cast<float*>(smem_raw);      // NS × R × D after the loop
+  E* q_s = reinterpret_cast<E*>(smem_raw + Tile::template big_bytes<E>());             // R × PITCH
+  float* p_all = reinterpret_cast<float*>(q_s + R * PITCH);                            // W × R × PP
+  float* red_s = reinterpret_cast<float*>(smem_raw);                                   // W × R × D after the loop
+  float* ml_s = red_s + W * R * D;                                                     // W × R × (m, l)
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the merge may be placed now; it waits for us
+#endif
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const int g = lane / 4, qd = lane % 4;  // mma fragment row (and row + 8) and column pair
   const int h_kv = blockIdx.x % p.heads_kv;
   const int b = blockIdx.x / p.heads_kv;
   const int split = blockIdx.y;
@@ -160,194 +149,230 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
   if (s1 > ke) s1 = ke;
   kb = s0;
   ke = s1;
-  const int n_tiles = ke > kb ? int((ke - kb + BN - 1) / BN) : 0;
+  const int n_tiles = ke > kb ? int((ke - kb + WK - 1) / WK) : 0;  // warp tiles of the block
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + W - 1) / W : 0;
 
-  // Q rows, scaled by scale·log2e, as f32 (padding rows 0).
-  for (int e = t; e < R * D; e += Tile::threads) {
-    const int r = e / D, c = e % D;
-    float x = 0.f;
+  // Q rows in the storage type (padding rows 0), 16 bytes a thread at a time.
+  for (int e = t; e < R * C; e += Tile::threads) {
+    const int r = e / C, cc = e % C;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
     if (r < p.rows) {
       const int h = h_kv * p.group + r / p.seq_q, i = r % p.seq_q;
       const E* qr = static_cast<const E*>(p.q) + index_t(b) * p.q_stride.b + index_t(h) * p.q_stride.h +
                     index_t(i) * p.q_stride.s;
-      x = widen(qr[c]) * p.scale_log2;
+      x = *reinterpret_cast<const uint4*>(qr + cc * 8);
     }
-    q_s[e] = x;
-  }
-  if (t < R) {
-    m_s[t] = -INFINITY;
-    l_s[t] = 0.f;
+    *reinterpret_cast<uint4*>(q_s + r * PITCH + cc * 8) = x;
   }
 
   const index_t base_bh = p.kv.block_table == nullptr ? p.kv.base(b, h_kv) : 0;
   const E* kg = static_cast<const E*>(p.kv.k);
   const E* vg = static_cast<const E*>(p.kv.v);
-  // Loads key tile `it` into stage `it % ST`: thread t copies chunk t % C of rows t / C + NS·x.
+  E* pipe = reinterpret_cast<E*>(smem_raw) + warp * ST * STAGE;
+  float* p_s = p_all + warp * R * PP;
+  // Loads this warp's tile `it` (block tile warp + W·it) into its stage `it % ST`: lane copies chunk lane % C of rows
+  // lane / C + RS·x. A paged cache walks the block table from one 32-bit division a tile (RS < 8 <= page_size: a
+  // step crosses at most one page boundary).
+  constexpr int RS = 32 / C;
+  static_assert(32 % C == 0 && RS < 8, "decode tile: a lane's rows step by 32 / chunks");
+  const int r0 = lane / C, cc = lane % C;
+  const std::int32_t* table = p.kv.block_table == nullptr ? nullptr : p.kv.block_table + index_t(b) * p.kv.blocks_per_seq;
+  const index_t head_off = index_t(h_kv) * p.kv.head + cc * 8;
   auto load_tile = [&](int it) {
-    E* ks = kv_smem + (it % ST) * 2 * BN * PITCH;
-    E* vs = ks + BN * PITCH;
-    const index_t k0 = kb + index_t(it) * BN;
-    const int cc = t % C;
+    E* ks = pipe + (it % ST) * STAGE + cc * 8;
+    E* vs = ks + WK * PITCH;
+    const index_t k0 = kb + index_t(warp + W * it) * WK;
+    if (table != nullptr) {
+      const unsigned ps = unsigned(p.kv.page_size), j0 = unsigned(k0 + r0);
+      unsigned pg = j0 / ps, in = j0 - pg * ps;
 #pragma unroll
-    for (int x = 0; x < BN / NS; ++x) {
-      const int row = t / C + NS * x;
-      const index_t j = k0 + row;
-      const bool valid = j < ke;
-      const index_t off = valid ? p.kv.offset(b, h_kv, base_bh, j) + cc * 8 : 0;
-      cp_async_16(ks + row * PITCH + cc * 8, kg + off, valid);
-      cp_async_16(vs + row * PITCH + cc * 8, vg + off, valid);
+      for (int x = 0; x < WK / RS; ++x) {
+        const int row = r0 + RS * x;
+        const bool valid = k0 + row < ke;
+        const index_t off = valid ? index_t(table[pg]) * p.kv.page + head_off + index_t(in) * p.kv.token : 0;
+        cp_async_16(ks + row * PITCH, kg + off, valid);
+        cp_async_16(vs + row * PITCH, vg + off, valid);
+        in += RS;
+        if (in >= ps) {
+          in -= ps;
+          ++pg;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int x = 0; x < WK / RS; ++x) {
+        const int row = r0 + RS * x;
+        const index_t j = k0 + row;
+        const bool valid = j < ke;
+        const index_t off = valid ? base_bh + j * p.kv.token + cc * 8 : 0;
+        cp_async_16(ks + row * PITCH, kg + off, valid);
+        cp_async_16(vs + row * PITCH, vg + off, valid);
+      }
     }
   };
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < n_tiles) load_tile(s);
+    if (s < my_tiles) load_tile(s);
     cp_async_commit();
   }
+  __syncthreads();  // Q landed
 
-  float acc[R][8];
+  float acc[NT][4];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
-    for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
-  const int pv_chunk = t % C, pv_slice = t / C;
+    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g, g + 8; l is this thread's columns' part
+  // ldmatrix lane addresses: Q as the A operand (matrices rows 0-7 / 8-15 × k 0-7 / 8-15), K as B (keys 0-7 / 8-15
+  // × d 0-7 / 8-15), V transposed as B (keys 0-7 / 8-15 × d 0-7 / 8-15).
+  const int mi = lane / 8, mr = lane % 8;
+  const E* q_lane = q_s + ((mi % 2) * 8 + mr) * PITCH + (mi / 2) * 8;
+  const int k_lane = ((mi / 2) * 8 + mr) * PITCH + (mi % 2) * 8;
+  const int v_lane = ((mi % 2) * 8 + mr) * PITCH + (mi / 2) * 8;
+  const index_t i_row[2] = {g % p.seq_q, (g + 8) % p.seq_q};
 
-  for (int it = 0; it < n_tiles; ++it) {
+  for (int it = 0; it < my_tiles; ++it) {
     cp_async_wait<ST - 2>();
-    __syncthreads();  // tile `it` landed for every thread; tile it − 1 is no longer read
-    if (it + ST - 1 < n_tiles) load_tile(it + ST - 1);
+    __syncwarp();  // tile `it` landed for every lane; the stage of tile it − 1 is no longer read
+    if (it + ST - 1 < my_tiles) load_tile(it + ST - 1);
     cp_async_commit();
-    const E* ks = kv_smem + (it % ST) * 2 * BN * PITCH;
-    const E* vs = ks + BN * PITCH;
-    const index_t k0 = kb + index_t(it) * BN;
+    const E* ks = pipe + (it % ST) * STAGE;
+    const E* vs = ks + WK * PITCH;
+    const index_t k0 = kb + index_t(warp + W * it) * WK;
 
-    // S = Q·Kᵀ: thread t takes key t % BN against rows t / BN + SG·x.
-    {
-      const int j = t % BN, rg = t / BN;
-      float s[RPT];
+    // S = Q·Kᵀ: s[n] holds keys 8n + 2·qd, +1 of rows g (s[n][0..1]) and g + 8 (s[n][2..3]).
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int x = 0; x < RPT; ++x) s[x] = 0.f;
-#pragma unroll 4
-      for (int cc = 0; cc < C; ++cc) {
-        float kx[8];
-        widen8<E>(*reinterpret_cast<const uint4*>(ks + j * PITCH + cc * 8), kx);
-#pragma unroll
-        for (int x = 0; x < RPT; ++x) {
-          const int r = rg + SG * x;
-          const float4 qa = *reinterpret_cast<const float4*>(q_s + r * D + cc * 8);
-          const float4 qb = *reinterpret_cast<const float4*>(q_s + r * D + cc * 8 + 4);
-          s[x] = fmaf(qa.x, kx[0], s[x]);
-          s[x] = fmaf(qa.y, kx[1], s[x]);
-          s[x] = fmaf(qa.z, kx[2], s[x]);
-          s[x] = fmaf(qa.w, kx[3], s[x]);
-          s[x] = fmaf(qb.x, kx[4], s[x]);
-          s[x] = fmaf(qb.y, kx[5], s[x]);
-          s[x] = fmaf(qb.z, kx[6], s[x]);
-          s[x] = fmaf(qb.w, kx[7], s[x]);
-        }
-      }
-#pragma unroll
-      for (int x = 0; x < RPT; ++x)
-        if (rg + SG * x < R) s_s[(rg + SG * x) * SP + j] = s[x];
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t qa[4], kf[4];
+      ldmatrix_x4(qa, q_lane + kk * 16);
+      ldmatrix_x4(kf, ks + k_lane + kk * 16);
+      mma_16816<E>(s[0], qa, kf[0], kf[1]);
+      mma_16816<E>(s[1], qa, kf[2], kf[3]);
     }
-    __syncthreads();
 
-    // Online softmax: warp w takes rows w, w + 4, ...; masked keys and keys past the range get P = 0.
-    for (int r = warp; r < R; r += Tile::warps) {
-      if (r >= p.rows) {
-        if (lane == 0) alpha_s[r] = 1.f;
-        for (int j = lane; j < BN; j += 32) s_s[r * SP + j] = 0.f;
-        continue;
+    // Online softmax over the tile; masked keys and keys past the range get P = 0.
+    const band_rule<index_t> rule{ke, lo, hi};
+    float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const index_t j = k0 + 8 * n + 2 * qd + (c & 1);
+        s[n][c] = rule.allowed(i_row[c / 2], j) ? s[n][c] * p.scale_log2 : -INFINITY;
+        mt[c / 2] = fmaxf(mt[c / 2], s[n][c]);
       }
-      const index_t i = r % p.seq_q;
-      float sv[BN / 32];
-      float mt = -INFINITY;
+    float alpha[2];
 #pragma unroll
-      for (int u = 0; u < BN / 32; ++u) {
-        const int j = lane + 32 * u;
-        const bool ok = band_rule<index_t>{ke, lo, hi}.allowed(i, k0 + j);  // the band, keys past ke masked
-        sv[u] = ok ? s_s[r * SP + j] : -INFINITY;
-        mt = fmaxf(mt, sv[u]);
-      }
+    for (int h2 = 0; h2 < 2; ++h2) {
+      mt[h2] = fmaxf(mt[h2], __shfl_xor_sync(0xffffffffu, mt[h2], 1));
+      mt[h2] = fmaxf(mt[h2], __shfl_xor_sync(0xffffffffu, mt[h2], 2));
+      const float m_new = fmaxf(m_run[h2], mt[h2]);
+      alpha[h2] = m_run[h2] == -INFINITY ? (m_new == -INFINITY ? 1.f : 0.f) : fast_exp2(m_run[h2] - m_new);
+      m_run[h2] = m_new;
+    }
+    std::uint32_t pa[4];  // P as the A operand: rows g / g + 8 × keys 2·qd (+8)
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, mt);
-      float sum = 0.f;
+    for (int n = 0; n < 2; ++n) {
+      float pv[4];
 #pragma unroll
-      for (int u = 0; u < BN / 32; ++u) {
-        const float pv = sv[u] == -INFINITY ? 0.f : fast_exp2(sv[u] - m_new);
-        s_s[r * SP + lane + 32 * u] = pv;
-        sum += pv;
-      }
+      for (int c = 0; c < 4; ++c) pv[c] = s[n][c] == -INFINITY ? 0.f : fast_exp2(s[n][c] - m_run[c / 2]);
+      l_run[0] = n == 0 ? l_run[0] * alpha[0] + (pv[0] + pv[1]) : l_run[0] + (pv[0] + pv[1]);
+      l_run[1] = n == 0 ? l_run[1] * alpha[1] + (pv[2] + pv[3]) : l_run[1] + (pv[2] + pv[3]);
+      pa[2 * n] = mma_type<E>::pack(pv[0], pv[1]);
+      pa[2 * n + 1] = mma_type<E>::pack(pv[2], pv[3]);
+    }
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) {
-        const float alpha = m_old == -INFINITY ? (m_new == -INFINITY ? 1.f : 0.f) : fast_exp2(m_old - m_new);
-        alpha_s[r] = alpha;
-        l_s[r] = l_s[r] * alpha + sum;
-        m_s[r] = m_new;
+      for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
       }
     }
-    __syncthreads();
 
-    // acc = acc·alpha + P·V: thread t takes columns 8·(t % C) .. + 7 of keys t / C + NS·x, every row.
-    {
+    // acc += P·V. A tile with a masked key inside the range (some P are 0 only by the mask) runs on CUDA cores.
+    const index_t k_last = (k0 + WK - 1 < ke ? k0 + WK - 1 : ke - 1);
+    const bool masked_inside = !(k0 - (p.seq_q - 1) >= lo && k_last <= hi);
+    if (!masked_inside) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float a = alpha_s[r];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[r][c] *= a;
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t vf[4];
+        ldmatrix_x4_trans(vf, vs + v_lane + dp * 16);
+        mma_16816<E>(acc[2 * dp], pa, vf[0], vf[1]);
+        mma_16816<E>(acc[2 * dp + 1], pa, vf[2], vf[3]);
       }
-      // A tile with a masked key inside the range: some P are 0 only by the mask.
-      const bool masked_inside = !(k0 - (p.seq_q - 1) >= lo && (k0 + BN - 1 < ke ? k0 + BN - 1 : ke - 1) <= hi);
-      if (!masked_inside) {
-#pragma unroll 2
-        for (int j = pv_slice; j < BN; j += NS) {
-          float vx[8];
-          widen8<E>(*reinterpret_cast<const uint4*>(vs + j * PITCH + pv_chunk * 8), vx);
+    } else {
+      // The rounded P through shared memory; thread (g, qd) sums its acc elements over the keys its rows see.
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float pr = s_s[r * SP + j];
+      for (int n = 0; n < 2; ++n) {
+        p_s[g * PP + 8 * n + 2 * qd] = mma_type<E>::unpack(pa[2 * n], 0);
+        p_s[g * PP + 8 * n + 2 * qd + 1] = mma_type<E>::unpack(pa[2 * n], 1);
+        p_s[(g + 8) * PP + 8 * n + 2 * qd] = mma_type<E>::unpack(pa[2 * n + 1], 0);
+        p_s[(g + 8) * PP + 8 * n + 2 * qd + 1] = mma_type<E>::unpack(pa[2 * n + 1], 1);
+      }
+      __syncwarp();
+      for (int key = 0; key < WK; ++key) {
+        const float p0 = p_s[g * PP + key], p1 = p_s[(g + 8) * PP + key];
+        if (p0 == 0.f && p1 == 0.f) continue;
 #pragma unroll
-            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(pr, vx[c], acc[r][c]);
+        for (int n = 0; n < NT; ++n) {
+          const std::uint32_t vv = *reinterpret_cast<const std::uint32_t*>(vs + key * PITCH + 8 * n + 2 * qd);
+          const float v0 = mma_type<E>::unpack(vv, 0), v1 = mma_type<E>::unpack(vv, 1);
+          if (p0 != 0.f) {
+            acc[n][0] = fmaf(p0, v0, acc[n][0]);
+            acc[n][1] = fmaf(p0, v1, acc[n][1]);
           }
-        }
-      } else {
-        for (int j = pv_slice; j < BN; j += NS) {
-          float vx[8];
-          widen8<E>(*reinterpret_cast<const uint4*>(vs + j * PITCH + pv_chunk * 8), vx);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float pr = s_s[r * SP + j];
-            if (pr == 0.f) continue;  // masked for this row: its V may hold inf or NaN
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(pr, vx[c], acc[r][c]);
+          if (p1 != 0.f) {
+            acc[n][2] = fmaf(p1, v0, acc[n][2]);
+            acc[n][3] = fmaf(p1, v1, acc[n][3]);
           }
         }
       }
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // the pipeline's memory becomes the reduction buffer
-
-  // Sum the key slices: red[slice][r][c].
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float4* dst = reinterpret_cast<float4*>(red_s + (pv_slice * R + r) * D + pv_chunk * 8);
-    dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-    dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+  for (int h2 = 0; h2 < 2; ++h2) {
+    l_run[h2] += __shfl_xor_sync(0xffffffffu, l_run[h2], 1);
+    l_run[h2] += __shfl_xor_sync(0xffffffffu, l_run[h2], 2);
+  }
+  __syncthreads();  // the pipelines' memory becomes the merge buffer
+
+  // Each warp's state: red[warp][row][d], ml[warp][row] = (m, l).
+  float* red_w = red_s + warp * R * D;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    *reinterpret_cast<float2*>(red_w + g * D + 8 * n + 2 * qd) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(red_w + (g + 8) * D + 8 * n + 2 * qd) = make_float2(acc[n][2], acc[n][3]);
+  }
+  if (qd == 0) {
+    ml_s[(warp * R + g) * 2] = m_run[0];
+    ml_s[(warp * R + g) * 2 + 1] = l_run[0];
+    ml_s[(warp * R + g + 8) * 2] = m_run[1];
+    ml_s[(warp * R + g + 8) * 2 + 1] = l_run[1];
   }
   __syncthreads();
   constexpr float ln2 = float(fusedattn::ln2);
   for (int e = t; e < p.rows * D; e += Tile::threads) {
     const int r = e / D, c = e % D;
-    float sum = 0.f;
+    float m = -INFINITY;
 #pragma unroll
-    for (int s = 0; s < NS; ++s) sum += red_s[(s * R + r) * D + c];
-    const float l = l_s[r];
+    for (int w = 0; w < W; ++w) m = fmaxf(m, ml_s[(w * R + r) * 2]);
+    // Warps in order; a warp without keys (l = 0) adds nothing, a NaN l reaches l and O.
+    float l = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float lw = ml_s[(w * R + r) * 2 + 1];
+      if (lw == 0.f) continue;
+      const float scale = fast_exp2(ml_s[(w * R + r) * 2] - m);
+      l = fmaf(scale, lw, l);
+      sum = fmaf(scale, red_s[(w * R + r) * D + c], sum);
+    }
     const float out = l == 0.f ? 0.f : sum / l;  // a NaN l gives NaN
     const int h = h_kv * p.group + r / p.seq_q, i = r % p.seq_q;
-    const float lse = l == 0.f ? -INFINITY : (m_s[r] + log2f(l)) * ln2;
+    const float lse = l == 0.f ? -INFINITY : (m + log2f(l)) * ln2;
     if (p.splits > 1) {
       const index_t row = ((index_t(split) * p.batch + b) * p.heads + h) * p.seq_q + i;
       p.o_part[row * D + c] = out;
@@ -360,11 +385,14 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
   }
 }
 
-/// Combines the splits of row (b, h, i) = blockIdx.x: m = max_s lse_s, w_s = e^(lse_s − m),
+/// Combines the splits of row (b, h, i) = blockIdx.x (after the decode grid, griddepcontrol.wait): m = max_s lse_s, w_s = e^(lse_s − m),
 /// O = Σ w_s·O_s / Σ w_s, lse = m + log Σ w_s, over the parts that saw a key (lse_s > −inf). No part saw one: O = 0,
 /// lse = −inf; a part with a NaN lse makes O and lse NaN.
 template <class E>
 __global__ void decode_merge_kernel(const decode_params p, int head_dim) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode blocks' parts are complete and visible
+#endif
   const index_t row = blockIdx.x;
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
   const int i = int(row % p.seq_q), h = int((row / p.seq_q) % p.heads), b = int(row / (index_t(p.seq_q) * p.heads));
@@ -395,20 +423,14 @@ __global__ void decode_merge_kernel(const decode_params p, int head_dim) {
         nan ? NAN : w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
 }
 
-/// `f(Tile{})` for the decode tile of head_dim and rows (group · seq_q); `otherwise` when none fits.
+/// `f(Tile{})` for the decode tile of head_dim (any rows <= decode_max_rows share it); `otherwise` when none fits.
 template <class R, class F>
 R with_decode_tile(index_t head_dim, index_t rows, R otherwise, F&& f) {
-  auto by_rows = [&](auto dim) -> R {
-    constexpr int D = decltype(dim)::value;
-    if (rows <= 4) return f(decode_tile<D, 4>{});
-    if (rows <= 8) return f(decode_tile<D, 8>{});
-    if (rows <= 16) return f(decode_tile<D, 16>{});
-    return otherwise;
-  };
+  if (rows > decode_max_rows) return otherwise;
   switch (head_dim) {
-    case 64: return by_rows(std::integral_constant<int, 64>{});
-    case 128: return by_rows(std::integral_constant<int, 128>{});
-    case 256: return by_rows(std::integral_constant<int, 256>{});
+    case 64: return f(decode_tile<64>{});
+    case 128: return f(decode_tile<128>{});
+    case 256: return f(decode_tile<256>{});
     default: return otherwise;
   }
 }
@@ -457,16 +479,31 @@ inline bool decode_aligned(const void* ptr, std::initializer_list<index_t> strid
   return true;
 }
 
-/// Splits for a launch of `blocks` (sequence, kv head) blocks over at most `keys` keys: enough to fill every SM
-/// `per_sm` times, each split at least two key tiles, at most 128.
+/// Splits for a launch of `blocks` (sequence, kv head) blocks over at most `keys` keys, `per_sm` blocks resident on
+/// each of `multiprocessors` SMs: the count (at most 128, each split at least two rounds of block_n keys) of least
+/// cost, in quarter rounds: waves × (4·rounds a block + 8 for a block's start and end + 2 for writing its part when
+/// it splits) + 4 for the merge pass, waves = ⌈blocks·splits / resident slots⌉; more splits only where they cost
+/// at least 2 % less (the model's resolution).
+/// E.g. 8 × 8 blocks over 32768 keys on 132 SMs × 2: 4 splits (256 blocks, one wave), not 5 (two waves); 64 × 8
+/// blocks: 1 (two full waves; splitting further adds start-up and merge traffic).
 inline int decode_splits(index_t blocks, index_t keys, int block_n, int multiprocessors, int per_sm) {
-  constexpr index_t max_splits = 128, min_tiles = 2;
-  const index_t target = index_t(multiprocessors) * (per_sm > 0 ? per_sm : 1);
-  index_t splits = (target + blocks - 1) / blocks;
-  const index_t by_keys = keys / (min_tiles * block_n);
-  if (splits > by_keys) splits = by_keys;
-  if (splits > max_splits) splits = max_splits;
-  return splits < 1 ? 1 : int(splits);
+  constexpr index_t max_splits = 128, min_rounds = 2, fixed = 8, part = 2, merge = 4;
+  const index_t slots = index_t(multiprocessors > 0 ? multiprocessors : 1) * (per_sm > 0 ? per_sm : 1);
+  const index_t n = block_n > 0 ? block_n : 1;
+  const index_t rounds = (keys + n - 1) / n;
+  index_t limit = keys / (min_rounds * n);
+  if (limit > max_splits) limit = max_splits;
+  if (blocks <= 0 || limit <= 1) return 1;
+  index_t best = 1, best_cost = -1;
+  for (index_t s = 1; s <= limit; ++s) {
+    const index_t waves = (blocks * s + slots - 1) / slots;
+    const index_t cost = waves * (4 * ((rounds + s - 1) / s) + fixed + (s > 1 ? part : 0)) + (s > 1 ? merge : 0);
+    if (best_cost < 0 || cost * 50 < best_cost * 49) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return int(best);
 }
 
 /// Scratch bytes of a decode launch with `splits` parts (0 for one).
@@ -555,12 +592,37 @@ status launch_decode(const problem& p, decode_params dp, index_t max_keys, cudaS
                                 dp.lse_part = dp.o_part + rows * p.head_dim;
                               }
                               const dim3 grid(unsigned(p.batch * p.heads_kv), unsigned(splits));
-                              decode_kernel<E, Tile><<<grid, Tile::threads, Tile::template smem_bytes<E>(), stream>>>(dp);
+                              // The opt-in beside the launch: each translation unit launches its own copy of the kernel.
+                              const auto kernel = decode_kernel<E, Tile>;
+                              constexpr int smem = int(Tile::template smem_bytes<E>());
+                              if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                                                        "cudaFuncSetAttribute(decode_kernel)");
+                                  !st)
+                                return st;
+                              kernel<<<grid, Tile::threads, smem, stream>>>(dp);
                               if (status st = last_launch("decode_kernel"); !st) return st;
                               if (splits > 1) {
                                 const index_t rows = p.batch * p.heads * p.seq_q;
-                                decode_merge_kernel<E><<<unsigned(rows), 128, 0, stream>>>(dp, int(p.head_dim));
-                                if (status st = last_launch("decode_merge_kernel"); !st) return st;
+                                // On sm_90 and newer the merge is a programmatic dependent launch: its blocks are
+                                // placed while the decode blocks run and wait for them in griddepcontrol.wait.
+                                int device = 0, major = 0;
+                                const bool pdl = cudaGetDevice(&device) == cudaSuccess &&
+                                                 cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                                                 major >= 9;
+                                cudaLaunchAttribute attr[1];
+                                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                                attr[0].val.programmaticStreamSerializationAllowed = 1;
+                                cudaLaunchConfig_t cfg{};
+                                cfg.gridDim = dim3(unsigned(rows));
+                                cfg.blockDim = dim3(128);
+                                cfg.dynamicSmemBytes = 0;
+                                cfg.stream = stream;
+                                cfg.attrs = attr;
+                                cfg.numAttrs = pdl ? 1 : 0;
+                                if (status st = from_cuda(cudaLaunchKernelEx(&cfg, decode_merge_kernel<E>, dp, int(p.head_dim)),
+                                                          "cudaLaunchKernelEx(decode_merge_kernel)");
+                                    !st)
+                                  return st;
                               }
                               return {};
                             });
