@@ -2,6 +2,7 @@
 // oracle of the whole problem (f32, f64; bf16 and f16: test_dist_mpi_half.cpp); both layouts and strategies, dense
 // and causal, GQA and MQA, seq_q != seq_kv; uneven splits, a bad input on one rank, ranks that disagree and
 // unsupported masks are refused by every rank with nothing written. Checks use CHECK after the collective call so every rank stays in step.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -44,6 +45,38 @@ TEST_CASE("dist::attend over MPI: f32 and f64 against the float64 oracle", "[dis
                  against_oracle<float>(comm, p, mask, opt);
                  against_oracle<double>(comm, p, mask, opt);
                });
+}
+
+TEST_CASE("dist::attend over MPI: K and V in strided views (copied before the ring) give the packed result",
+          "[dist][mpi]") {
+  dist::mpi_comm comm;
+  const int n = comm.size();
+  const fa::problem p{2, 3, 3, 2 * n * 7, 2 * n * 7, 24};
+  for (const fa::any_mask& mask : {fa::any_mask(fa::causal{}), fa::any_mask(fa::dense{})}) {
+    sharded_case<float> c(p, dist::layout::zigzag, comm);
+    INFO(describe_run<float>(comm, p, mask, {}, c.seed));
+    require_ok(c.run(comm, mask, {dist::layout::zigzag, dist::strategy::ring, {}}));
+    // The same shards of K and V with 5 unused floats after every row.
+    const fa::index_t d = p.head_dim, pad = d + 5, rows = c.local.batch * c.local.heads_kv * c.local.seq_kv;
+    std::vector<float> ks(static_cast<std::size_t>(rows * pad), 9.f), vs(ks.size(), 9.f);
+    for (fa::index_t i = 0; i < rows; ++i)
+      for (fa::index_t x = 0; x < d; ++x) {
+        ks[static_cast<std::size_t>(i * pad + x)] = c.k[static_cast<std::size_t>(i * d + x)];
+        vs[static_cast<std::size_t>(i * pad + x)] = c.v[static_cast<std::size_t>(i * d + x)];
+      }
+    const fa::dims4 kd = c.local.kv_dims();
+    const fa::strides4 st{kd.h * kd.s * pad, kd.s * pad, pad, 1};
+    std::vector<float> o(c.o.size(), sentinel), lse(c.lse.size(), sentinel);
+    require_ok(dist::attend(comm, fa::policy::cpu<>{1}, p, fa::bhsd<const float>(c.q.data(), c.local.q_dims()),
+                            fa::tensor_ref<const float>{ks.data(), kd, st}, fa::tensor_ref<const float>{vs.data(), kd, st},
+                            fa::bhsd(o.data(), c.local.o_dims()), mask, lse.data(),
+                            {dist::layout::zigzag, dist::strategy::ring, {}}));
+    double err = 0, lse_err = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) err = std::max(err, double(std::abs(o[i] - c.o[i])));
+    for (std::size_t i = 0; i < lse.size(); ++i) lse_err = std::max(lse_err, double(std::abs(lse[i] - c.lse[i])));
+    CHECK(err <= 1e-6);
+    CHECK(lse_err <= 1e-6);
+  }
 }
 
 TEST_CASE("dist::attend over MPI: refusals reach every rank and nothing is written", "[dist][mpi]") {

@@ -2,11 +2,13 @@
 // no key, NaN rows); dist::attend over NCCL with one host thread per GPU (ncclCommInitAll over every GPU here, up
 // to 4; one GPU still runs the schedule) against one GPU's attend on the same inputs, bf16, TransformerEngine's
 // tolerance (atol = rtol = 2.5e-2): causal ring over zigzag shards, GQA all-gather, dense contiguous; and a bad input
-// on one rank refused by every rank with nothing written. Built whenever CUDA and NCCL are (CI compiles it); exit 77
+// on one rank refused by every rank with nothing written. dist::attend_backward the same way against one GPU's
+// fa::attend_backward (dQ, dK, dV): causal zigzag ring, dense contiguous ring, causal GQA all-gather. Built whenever CUDA and NCCL are (CI compiles it); exit 77
 // (skipped) without a GPU.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -223,6 +225,118 @@ void sharded(const std::vector<ncclComm_t>& comms, const fa::problem& p, const f
   }
 }
 
+/// Max over a shard's elements of max(0, |got − want| − atol − rtol·|want|) and the count beyond, rows of `got` in
+/// shard order against the whole `want` (b, h, S, d).
+struct shard_check {
+  long long bad = 0;
+  double worst = 0;
+};
+shard_check check_shard(const std::vector<bf16>& got, const std::vector<bf16>& want, fa::dims4 whole, dist::layout l,
+                        int n, int r, double tol) {
+  shard_check c;
+  const std::vector<bf16> mine = shard(want, whole, l, n, r);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double y = float(got[i]), w = float(mine[i]);
+    const double err = std::abs(y - w);
+    c.worst = std::max(c.worst, err);
+    if (!(err <= tol + tol * std::abs(w))) ++c.bad;
+  }
+  return c;
+}
+
+/// dist::attend_backward on every GPU (one host thread each) against one GPU's fa::attend_backward(policy::cuda) on
+/// the same inputs: the forward's O and lse and a random dO from one GPU, sharded; dQ, dK and dV of each rank's
+/// shard within TransformerEngine's bf16 tolerance.
+void sharded_backward(const std::vector<ncclComm_t>& comms, const fa::problem& p, const fa::any_mask& mask,
+                      const dist::options& opt, const std::string& name) {
+  const int n = int(comms.size());
+  const std::uint64_t seed = 5000 + std::uint64_t(p.seq_q) + std::uint64_t(p.heads_kv);
+  const whole_case w = one_gpu(p, mask, seed);
+  std::mt19937_64 rng(seed + 1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<bf16> d_o(w.q.size());
+  for (auto& x : d_o) x = bf16(u(rng));
+  // One GPU's gradients.
+  cudaSetDevice(0);
+  bf16 *q = to_device(w.q), *k = to_device(w.k), *v = to_device(w.v), *o = to_device(w.o), *dout = to_device(d_o);
+  float* l = to_device(w.lse);
+  bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  cudaMalloc(&dq, w.q.size() * sizeof(bf16));
+  cudaMalloc(&dk, w.k.size() * sizeof(bf16));
+  cudaMalloc(&dv, w.v.size() * sizeof(bf16));
+  const fa::status st1 = fa::attend_backward(
+      fa::policy::cuda{}, p, fa::bhsd<const bf16>(q, p.q_dims()), fa::bhsd<const bf16>(k, p.kv_dims()),
+      fa::bhsd<const bf16>(v, p.kv_dims()), fa::bhsd<const bf16>(o, p.o_dims()), fa::bhsd<const bf16>(dout, p.o_dims()),
+      l, fa::bhsd(dq, p.q_dims()), fa::bhsd(dk, p.kv_dims()), fa::bhsd(dv, p.kv_dims()), mask);
+  expect(st1.ok(), name + ": one GPU backward: " + st1.what());
+  const std::vector<bf16> want_dq = to_host(dq, w.q.size()), want_dk = to_host(dk, w.k.size()),
+                          want_dv = to_host(dv, w.v.size());
+  for (void* x : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)l, (void*)dq, (void*)dk, (void*)dv})
+    cudaFree(x);
+  std::vector<fa::status> result(static_cast<std::size_t>(n));
+  std::vector<std::vector<bf16>> got(static_cast<std::size_t>(3 * n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r);
+      dist::nccl_comm comm(comms[std::size_t(r)]);
+      if (!comm.ok()) {
+        (void)(result[std::size_t(r)] = comm.ok());
+        return;
+      }
+      fa::problem local = p;
+      local.seq_q = dist::shard_rows(p.seq_q, n);
+      local.seq_kv = dist::shard_rows(p.seq_kv, n);
+      std::vector<float> lse_shard(std::size_t(local.lse_size()));
+      for (fa::index_t bh = 0; bh < p.batch * p.heads; ++bh) {
+        fa::index_t x = 0;
+        for (int part = 0; part < 2; ++part) {
+          const dist::row_range rr = dist::shard_piece(opt.layout, p.seq_q, n, r, part);
+          for (fa::index_t g = rr.begin; g < rr.end; ++g) lse_shard[std::size_t(bh * local.seq_q + x++)] = w.lse[std::size_t(bh * p.seq_q + g)];
+        }
+      }
+      bf16* sq = to_device(shard(w.q, p.q_dims(), opt.layout, n, r));
+      bf16* sk = to_device(shard(w.k, p.kv_dims(), opt.layout, n, r));
+      bf16* sv = to_device(shard(w.v, p.kv_dims(), opt.layout, n, r));
+      bf16* so = to_device(shard(w.o, p.o_dims(), opt.layout, n, r));
+      bf16* sdo = to_device(shard(d_o, p.o_dims(), opt.layout, n, r));
+      float* sl = to_device(lse_shard);
+      const std::size_t nq = std::size_t(local.batch * local.heads * local.seq_q * p.head_dim);
+      const std::size_t nkv = std::size_t(local.batch * local.heads_kv * local.seq_kv * p.head_dim);
+      bf16* gq = to_device(std::vector<bf16>(nq, bf16(7.f)));
+      bf16* gk = to_device(std::vector<bf16>(nkv, bf16(7.f)));
+      bf16* gv = to_device(std::vector<bf16>(nkv, bf16(7.f)));
+      cudaStream_t stream;
+      cudaStreamCreate(&stream);
+      (void)(result[std::size_t(r)] = dist::attend_backward(
+          comm, fa::policy::cuda{stream}, p, fa::bhsd<const bf16>(sq, local.q_dims()),
+          fa::bhsd<const bf16>(sk, local.kv_dims()), fa::bhsd<const bf16>(sv, local.kv_dims()),
+          fa::bhsd<const bf16>(so, local.o_dims()), fa::bhsd<const bf16>(sdo, local.o_dims()), sl,
+          fa::bhsd(gq, local.q_dims()), fa::bhsd(gk, local.kv_dims()), fa::bhsd(gv, local.kv_dims()), mask, opt));
+      cudaStreamSynchronize(stream);
+      got[std::size_t(3 * r)] = to_host(gq, nq);
+      got[std::size_t(3 * r + 1)] = to_host(gk, nkv);
+      got[std::size_t(3 * r + 2)] = to_host(gv, nkv);
+      cudaStreamDestroy(stream);
+      for (void* x : {(void*)sq, (void*)sk, (void*)sv, (void*)so, (void*)sdo, (void*)sl, (void*)gq, (void*)gk, (void*)gv})
+        cudaFree(x);
+    });
+  for (auto& t : threads) t.join();
+  const double tol = 2.5e-2;
+  for (int r = 0; r < n; ++r) {
+    expect(result[std::size_t(r)].ok(), name + ": rank " + std::to_string(r) + ": " + result[std::size_t(r)].what());
+    const char* names[3] = {"dq", "dk", "dv"};
+    const std::vector<bf16>* want[3] = {&want_dq, &want_dk, &want_dv};
+    const fa::dims4 dims[3] = {p.q_dims(), p.kv_dims(), p.kv_dims()};
+    for (int x = 0; x < 3; ++x) {
+      const shard_check c = check_shard(got[std::size_t(3 * r + x)], *want[x], dims[x], opt.layout, n, r, tol);
+      std::printf("%s, rank %d: max |%s - one GPU| %.2e\n", name.c_str(), r, names[x], c.worst);
+      expect(c.bad == 0, name + ": rank " + std::to_string(r) + ": " + names[x] + ": " + std::to_string(c.bad) +
+                             " elements beyond atol = rtol = 2.5e-2 (max difference " + std::to_string(c.worst) + ")");
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -248,6 +362,12 @@ int main() {
   sharded(comms, {1, 4, 4, u * 64, u * 200, 128}, fa::dense{}, {dist::layout::contiguous, dist::strategy::ring, {}},
           -1, "dense ring contiguous, seq_q != seq_kv");
   sharded(comms, {1, 4, 4, u * 64, u * 64, 128}, fa::causal{}, {}, n - 1, "null q on the last rank");
+  sharded_backward(comms, {1, 8, 8, u * 300, u * 300, 128}, fa::causal{},
+                   {dist::layout::zigzag, dist::strategy::ring, {}}, "backward: causal ring zigzag");
+  sharded_backward(comms, {2, 4, 4, u * 96, u * 96, 64}, fa::dense{},
+                   {dist::layout::contiguous, dist::strategy::ring, {}}, "backward: dense ring contiguous");
+  sharded_backward(comms, {1, 16, 4, u * 130, u * 130, 128}, fa::causal{},
+                   {dist::layout::zigzag, dist::strategy::all_gather, {}}, "backward: causal GQA all-gather zigzag");
   for (ncclComm_t c : comms) ncclCommDestroy(c);
   std::printf("%s (%d GPU%s)\n", failures == 0 ? "all passed" : "FAILED", n, n > 1 ? "s" : "");
   return failures == 0 ? 0 : 1;
