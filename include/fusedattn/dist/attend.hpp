@@ -423,7 +423,8 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   const bool direct = !gather && packed(k) && packed(v);
   const int part_count = gather ? 1 : n;  // ring: step i's part is part i
 
-  // Every buffer first, then one agreement: a rank that cannot allocate must not leave the others in a transfer.
+  // Every buffer first, then one agreement (which also answers dist::attend's check of the input on every rank):
+  // a rank that cannot allocate must not leave the others in a transfer.
   T* parts = nullptr;         // part_count partial O's, [b][h][lq][d] each
   float* part_lses = nullptr;  // their lse, [b][h][lq] each
   float* block_lse = nullptr;  // a block's lse when it covers fewer rows than the shard's (packed [b][h][nq])
@@ -586,6 +587,9 @@ struct mask_kind<any_mask> {
 /// @param lse     optional: this rank's batch · heads · (seq_q / N) floats, [b][h][local row], natural log.
 /// @param opt     layout (zigzag by default: it balances causal work), strategy (ring, all_gather, automatic).
 /// @param tm      optional host timings (total, time blocked on transfers).
+/// Scratch per rank (host or device memory, as the policy): the ring keeps one partial result per step (N × this
+/// rank's O in T, N × its lse in float, merged in one pass at the end) and two K/V shard buffers; the all-gather one
+/// partial result, the whole K and V and one K/V slot per rank.
 /// Every rank validates its own input, then all agree: a bad input on one rank makes every rank return an error
 /// (that rank's own reason there, "rank r failed" elsewhere) and no rank writes anything; no rank is left waiting.
 /// @return ok; errc::invalid_argument (a field and its value, or disagreeing ranks); errc::unsupported (a window or
@@ -612,7 +616,9 @@ status attend(Comm& comm, const Policy& pol, const problem& global,
   };
   const status local = check();
   const std::uint64_t fp = detail::fingerprint(global, is_causal, opt, scalar_name<T>());
-  if (status s = detail::agree(comm, local, fp); !s) return s;
+  // A rank with bad input only agrees; the others allocate first, and their first agreement inside run is the
+  // same collective call: one round trip tells every rank about the input and the buffers together.
+  if (!local) return detail::agree(comm, local, fp);
   auto ex = detail::exec_for<Policy>::make(pol);
   return detail::run(comm, ex, pol, global, tensor_ref<const T>(q), tensor_ref<const T>(k), tensor_ref<const T>(v),
                      o, is_causal, lse, opt, fp, tm);

@@ -284,7 +284,8 @@ status attend_backward(Comm& comm, const Policy& pol, const problem& global,
   const status local = check();
   const std::string type = std::string(scalar_name<T>()) + " backward";
   const std::uint64_t fp = detail::fingerprint(global, is_causal, opt, type.c_str());
-  if (status s = detail::agree(comm, local, fp, who); !s) return s;
+  // A rank with bad input only agrees; the others allocate first and agree inside run_backward (one round trip).
+  if (!local) return detail::agree(comm, local, fp, who);
   auto ex = detail::exec_for<Policy>::make(pol);
   return detail::run_backward(comm, ex, pol, global, tensor_ref<const T>(q), tensor_ref<const T>(k),
                               tensor_ref<const T>(v), tensor_ref<const T>(o), tensor_ref<const T>(d_o), lse, dq, dk,
