@@ -430,22 +430,8 @@ status flash_backward_loop(const problem& p, const tensor_ref<const T>& q, const
 #endif
   {
     const cpu::flush_denormals_scope flush_denormals;
-    static thread_local backward_scratch<Acc> sc;
-    try {
-      sc.allocate(plan);
-    } catch (const std::bad_alloc&) {
-#if defined(_OPENMP)
-#pragma omp atomic write
-#endif
-      failed = 1;
-    }
-    int any_failed = 0;
-#if defined(_OPENMP)
-#pragma omp barrier
-#pragma omp atomic read
-#endif
-    any_failed = failed;
-    if (!any_failed) {
+    backward_scratch<Acc>& sc = thread_scratch<backward_scratch<Acc>>();
+    if (team_allocated(failed, [&] { sc.allocate(plan); })) {
       // 1. Per row: δ_i = Σ_c dO[i][c]·O[i][c], lse·log2e, Q and dO in Acc (zero for a row that saw no key, and
       //    past d), the row's flags.
 #if defined(_OPENMP)

@@ -78,13 +78,6 @@ struct decode_scratch {
   }
 };
 
-/// The calling thread's decode scratch (reused across calls).
-template <class Acc>
-decode_scratch<Acc>& thread_decode_scratch() {
-  static thread_local decode_scratch<Acc> sc;
-  return sc;
-}
-
 /// The decode kernel over every (sequence b, kv head, key chunk).
 ///   q, o:     (batch, heads, seq_q, d) views; lse optional, [b][h][i].
 ///   kv:       a KV source (kv_source.hpp); sequence b holds kv.length(b) keys.
@@ -142,22 +135,8 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
 #endif
   {
     const cpu::flush_denormals_scope flush_denormals;
-    decode_scratch<Acc>& sc = thread_decode_scratch<Acc>();
-    try {
-      sc.allocate(rows, d, lds);
-    } catch (const std::bad_alloc&) {
-#if defined(_OPENMP)
-#pragma omp atomic write
-#endif
-      failed = 1;
-    }
-    int any_failed = 0;
-#if defined(_OPENMP)
-#pragma omp barrier
-#pragma omp atomic read
-#endif
-    any_failed = failed;
-    if (!any_failed) {
+    decode_scratch<Acc>& sc = thread_scratch<decode_scratch<Acc>>();
+    if (team_allocated(failed, [&] { sc.allocate(rows, d, lds); })) {
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif

@@ -478,11 +478,35 @@ index_t scratch_bytes(const problem& p, const flash_plan& f, index_t threads) {
   return threads * per_thread + (partials + packed) * index_t(sizeof(Acc));
 }
 
-/// The calling thread's flash scratch (one per OpenMP worker, reused across calls; see flash_scratch::allocate).
-template <class Acc>
-flash_scratch<Acc>& thread_scratch() {
-  static thread_local flash_scratch<Acc> sc;
+/// The calling thread's scratch of type Scratch (flash_scratch, decode_scratch, backward_scratch): one per thread,
+/// reused across calls (each kernel's allocate() grows it only when a call needs more).
+template <class Scratch>
+Scratch& thread_scratch() {
+  static thread_local Scratch sc;
   return sc;
+}
+
+/// Sizes the calling thread's scratch by `allocate()` (which may throw std::bad_alloc), then agrees with its OpenMP
+/// team: true when every thread of the team allocated. Every thread of the team calls it (it holds a barrier), so no
+/// thread starts writing output before all have their scratch; `failed` is the team's shared flag, 0 before the
+/// parallel region and 1 after it when any thread failed.
+template <class Allocate>
+bool team_allocated(int& failed, Allocate&& allocate) {
+  try {
+    allocate();
+  } catch (const std::bad_alloc&) {
+#if defined(_OPENMP)
+#pragma omp atomic write
+#endif
+    failed = 1;
+  }
+  int any_failed = 0;
+#if defined(_OPENMP)
+#pragma omp barrier
+#pragma omp atomic read
+#endif
+  any_failed = failed;
+  return !any_failed;
 }
 
 /// The tile loop over every (batch, head, q-tile, key chunk), `threads` at a time.
@@ -530,22 +554,8 @@ status flash_tile_loop(const problem& p, const tensor_ref<const T>& q, const KV&
   {
     // Every thread computes with subnormals flushed to zero, its own FP mode restored on exit (fp_env.hpp).
     const cpu::flush_denormals_scope flush_denormals;
-    flash_scratch<Acc>& sc = thread_scratch<Acc>();
-    try {
-      sc.allocate(plan, p.seq_kv, !shared);
-    } catch (const std::bad_alloc&) {
-#if defined(_OPENMP)
-#pragma omp atomic write
-#endif
-      failed = 1;
-    }
-    int any_failed = 0;
-#if defined(_OPENMP)
-#pragma omp barrier
-#pragma omp atomic read
-#endif
-    any_failed = failed;
-    if (!any_failed) {
+    flash_scratch<Acc>& sc = thread_scratch<flash_scratch<Acc>>();
+    if (team_allocated(failed, [&] { sc.allocate(plan, p.seq_kv, !shared); })) {
       if (call.packed) {
         // Shared packed K/V: every panel of every kv head once, split across the threads; the loop's implicit
         // barrier orders it before any tile reads it.
