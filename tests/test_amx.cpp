@@ -60,13 +60,7 @@ void check_bf16(int threads, const problem& p, const any_mask& mask, layout l, d
   const band_mask bound = bind_band(mask, p);
   const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
   const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
-  const double err = max_abs_error(c.o.view, exact.o);
-  const double plain_err = std::max(plain_error<bf16>(plain, exact), bf16_half_ulp(exact));
-  INFO("max error " << err << ", plain f32 implementation rounded to bf16 " << plain_err);
-  CHECK(err <= 2.0 * plain_err + 1e-7);
-  const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
-  INFO("lse error " << lse_err << ", plain " << plain_lse);
-  CHECK(lse_err <= 2.0 * plain_lse + lse_floor);
+  check_lowp_rule(c.o.view, lse, exact, plain, lse_floor);
 }
 
 /// A (b, h, s, d) operand of type To holding the values of `from` converted (rounded when To is narrower).

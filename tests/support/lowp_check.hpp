@@ -1,10 +1,11 @@
 /// @file lowp_check.hpp
-/// The low-precision accuracy rule's pieces shared by test_lowp and test_amx: a plain f32 implementation's error
-/// against float64 (its output rounded to the output type), its lse error, and the bf16 half-ulp floor.
+/// The low-precision accuracy rule shared by test_lowp and test_amx: a plain f32 implementation's error against
+/// float64 (its output rounded to the output type), its lse error, the bf16 half-ulp floor, and the rule's check.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "check.hpp"
@@ -34,6 +35,22 @@ inline double bf16_half_ulp(const reference& exact) {
   double big = 0;
   for (double x : exact.o) big = std::max(big, std::abs(x));
   return big > 0 ? std::ldexp(1.0, std::ilogb(big) - 8) : 0.0;
+}
+
+/// The low-precision rule on one call's outputs: O (`o`, a view of Out) within 2x the error of a plain f32
+/// implementation rounded to Out (for bf16 output at least bf16_half_ulp) + 1e-7, and lse within 2x the plain lse
+/// error + lse_floor. exact / plain: the float64 and f32 references on the inputs the kernel read.
+template <class Out>
+void check_lowp_rule(const tensor_ref<Out>& o, const std::vector<float>& lse, const reference& exact,
+                     const reference& plain, double lse_floor) {
+  double plain_err = plain_error<Out>(plain, exact);
+  if (std::is_same<Out, Eigen::bfloat16>::value) plain_err = std::max(plain_err, bf16_half_ulp(exact));
+  const double err = max_abs_error(o, exact.o);
+  INFO("max error " << err << ", plain f32 implementation rounded to the output type " << plain_err);
+  CHECK(err <= 2.0 * plain_err + 1e-7);
+  const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
+  INFO("lse error " << lse_err << ", plain " << plain_lse);
+  CHECK(lse_err <= 2.0 * plain_lse + lse_floor);
 }
 
 }  // namespace testing
