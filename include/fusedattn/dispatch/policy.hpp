@@ -97,6 +97,10 @@ enum class cuda_kernel {
 struct cuda {
   void* stream = nullptr;
   cuda_kernel kernel = cuda_kernel::automatic;
+  /// The call runs beside other kernels on the device (dist's ring sets it: its NCCL transfers hold SMs). The Hopper
+  /// kernel then launches one block per work item instead of a persistent grid, so a block that waits for a busy
+  /// SM delays only its own item, not a whole list of them.
+  bool concurrent = false;
 };
 
 /// The Ascend shim. `stream` is an aclrtStream.

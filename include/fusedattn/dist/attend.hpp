@@ -186,6 +186,18 @@ struct exec_for<policy::cpu_naive> {
   static type make(const policy::cpu_naive& p) { return host_exec(p.threads); }
 };
 
+/// The policy of each block's attend call: policy::cuda's run beside the ring's transfers (policy::cuda::concurrent),
+/// every other policy's as given.
+template <class Policy>
+Policy step_policy(const Policy& pol) {
+  return pol;
+}
+inline policy::cuda step_policy(const policy::cuda& pol) {
+  policy::cuda step = pol;
+  step.concurrent = true;
+  return step;
+}
+
 /// FNV-1a over the fields every rank must pass alike, so ranks that disagree fail together instead of hanging
 /// on transfers of different sizes.
 inline std::uint64_t fingerprint(const problem& g, bool causal, const options& opt, const char* type_name) {
@@ -450,6 +462,7 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   keep(ex.fill(part_lses, index_t(part_count) * lp.lse_size(), -std::numeric_limits<float>::infinity()));
 
   // One block against the K/V in hand (views of every key row in hand), into part `pi`'s rows [q0, q0 + nq).
+  const Policy step_pol = step_policy(pol);
   auto block = [&](const block_span& bs, const tensor_ref<const T>& kh, const tensor_ref<const T>& vh,
                    int pi) -> status {
     problem bp = g;
@@ -459,8 +472,8 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
     const bool whole = bs.nq == lq;  // attend writes lse packed [b][h][nq]: the part's own rows when they are all
     float* l = whole ? part_lses + pi * lp.lse_size() : block_lse;
     const status s = with_block_mask(bs.mask, [&](const auto& mask) {
-      return fusedattn::attend(pol, bp, rows_of(q, bs.q0, bs.nq), rows_of(kh, bs.k0, bs.nk), rows_of(vh, bs.k0, bs.nk),
-                               part, mask, l);
+      return fusedattn::attend(step_pol, bp, rows_of(q, bs.q0, bs.nq), rows_of(kh, bs.k0, bs.nk),
+                               rows_of(vh, bs.k0, bs.nk), part, mask, l);
     });
     if (!s || whole) return s;
     const tensor_ref<const float> from{block_lse, {g.batch, g.heads, bs.nq, 1}, {g.heads * bs.nq, bs.nq, 1, 1}};

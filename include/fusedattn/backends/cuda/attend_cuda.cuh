@@ -256,13 +256,14 @@ status run_flash_route(const problem& p, flash_params_t<Mask>& fp, const Mask& m
 template <class T, class Mask>
 status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                  const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask, float* lse,
-                 cudaStream_t stream, bool portable = false) {
+                 cudaStream_t stream, bool portable = false, bool concurrent = false) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
                             int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
                             static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
     fp.head_dim = int(p.head_dim);
+    fp.per_item = concurrent ? 1 : 0;
     if (mods_of(mask).any()) return run_flash_route<true, E>(p, fp, mask, stream, portable);
     return run_flash_route<false, E>(p, fp, mask, stream, portable);
   } else {
@@ -440,7 +441,8 @@ status attend(const policy::cuda& pol, const problem& p, const tensor_ref<const 
   if constexpr (mask_traits<Mask>::one_segment)
     if (decode_takes(pol, p, q, k, v, o, mask)) return run_decode(pol, p, q, k, v, o, mask.element_band(), lse);
   if (path == cuda_path::flash)
-    return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync);
+    return run_flash(p, q, k, v, o, mask, lse, stream, pol.kernel == policy::cuda_kernel::flash_mma_sync,
+                     pol.concurrent);
   if (path == cuda_path::packed) return run_flash_packed(p, q, k, v, o, mask, lse, stream);
   if (path == cuda_path::generic) return run_flash_generic(p, q, k, v, o, mask, lse, stream);
   return naive_attention(p, q, k, v, o, mask, lse, stream);

@@ -74,6 +74,9 @@ struct flash_params_t {
   /// head, 1 q-block first across all heads (every head's heaviest q-block, then the next ...), handed to the
   /// blocks of the persistent grid in a snake.
   int q_block_major = 0;
+  /// Read by launch_flash_hopper (policy::cuda::concurrent): 1 launches the warp-specialised kernel one block per
+  /// work item even where hopper_schedule_for would take a persistent grid.
+  int per_item = 0;
   /// The problem's head_dim: the columns of Q, K, V and O (0: the tile's). A tile wider than it (the Hopper 128
   /// tile for 96; the mma.sync tile of the next supported width for any multiple of 8) reads the columns past it as
   /// zeros (tensor maps, or predicated copies), and its stores and flash_merge_kernel stop at it.

@@ -944,7 +944,8 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
                              Tile::block_m) &&
         make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, p.batch, p.o_stride, 64))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask, Mods>, Tile::ws_smem_bytes, p, stream,
-                                          Tile::threads + 128, schedule.persistent ? 1 : one_block_per_item);
+                                          Tile::threads + 128,
+                                          schedule.persistent && !p.per_item ? 1 : one_block_per_item);
   } else {
     // Q by cp.async reads whole rows of the tile's head_dim: no narrower head_dim here.
     if (tma && cols == Tile::head_dim)
