@@ -18,6 +18,7 @@
 #include "support/check.hpp"
 #include "support/data.hpp"
 #include "support/oracle.hpp"
+#include "support/ragged.hpp"
 
 using namespace fusedattn;
 using namespace fusedattn::testing;
@@ -28,21 +29,13 @@ using band_choice = std::variant<dense, causal, window>;
 
 /// Packed [token][head][d] Q, K, V, O of a ragged batch with the given per-sequence lengths.
 template <class T>
-struct ragged_case {
-  problem p;  // batch 1, seq_q / seq_kv the totals
-  std::vector<std::int32_t> cu_q, cu_kv;
+struct ragged_case : ragged_offsets {
   std::vector<T> q, k, v, o;
   std::vector<float> lse;
 
   ragged_case(index_t heads, index_t heads_kv, index_t d, const std::vector<std::int32_t>& len_q,
-              const std::vector<std::int32_t>& len_kv, std::mt19937_64& rng) {
-    cu_q.push_back(0);
-    cu_kv.push_back(0);
-    for (std::size_t b = 0; b < len_q.size(); ++b) {
-      cu_q.push_back(cu_q.back() + len_q[b]);
-      cu_kv.push_back(cu_kv.back() + len_kv[b]);
-    }
-    p = {1, heads, heads_kv, cu_q.back(), cu_kv.back(), d};
+              const std::vector<std::int32_t>& len_kv, std::mt19937_64& rng)
+      : ragged_offsets(heads, heads_kv, d, len_q, len_kv) {
     std::uniform_real_distribution<double> u(-1.0, 1.0);
     auto fill = [&](std::vector<T>& x, index_t n) {
       x.resize(static_cast<std::size_t>(n));
@@ -54,7 +47,6 @@ struct ragged_case {
     o.assign(q.size(), T(7.0f));
     lse.assign(static_cast<std::size_t>(p.lse_size()), 123.0f);
   }
-  ragged_batch batch() const { return {static_cast<index_t>(cu_q.size()) - 1, cu_q.data(), cu_kv.data()}; }
   tensor_ref<const T> qv() const { return bshd<const T>(q.data(), p.q_dims()); }
   tensor_ref<const T> kv() const { return bshd<const T>(k.data(), p.kv_dims()); }
   tensor_ref<const T> vv() const { return bshd<const T>(v.data(), p.kv_dims()); }

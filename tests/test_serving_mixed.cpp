@@ -20,6 +20,7 @@
 #include "support/data.hpp"
 #include "support/lowp_check.hpp"
 #include "support/oracle.hpp"
+#include "support/ragged.hpp"
 
 using namespace fusedattn;
 using namespace fusedattn::testing;
@@ -167,21 +168,13 @@ void check_paged_mixed(mixed_paged_case<KV>& c, const Mask& mask, int threads) {
 
 /// Packed [token][head][d] f32 Q and O with 16-bit K and V of a ragged batch.
 template <class KV>
-struct mixed_ragged_case {
-  problem p;
-  std::vector<std::int32_t> cu_q, cu_kv;
+struct mixed_ragged_case : ragged_offsets {
   std::vector<float> q, o, lse;
   std::vector<KV> k, v;
 
   mixed_ragged_case(index_t heads, index_t heads_kv, index_t d, const std::vector<std::int32_t>& len_q,
-                    const std::vector<std::int32_t>& len_kv, std::mt19937_64& rng) {
-    cu_q.push_back(0);
-    cu_kv.push_back(0);
-    for (std::size_t b = 0; b < len_q.size(); ++b) {
-      cu_q.push_back(cu_q.back() + len_q[b]);
-      cu_kv.push_back(cu_kv.back() + len_kv[b]);
-    }
-    p = {1, heads, heads_kv, cu_q.back(), cu_kv.back(), d};
+                    const std::vector<std::int32_t>& len_kv, std::mt19937_64& rng)
+      : ragged_offsets(heads, heads_kv, d, len_q, len_kv) {
     std::uniform_real_distribution<double> u(-1.0, 1.0);
     q.resize(static_cast<std::size_t>(p.seq_q * heads * d));
     for (auto& x : q) x = static_cast<float>(u(rng));
@@ -192,7 +185,6 @@ struct mixed_ragged_case {
     o.assign(q.size(), 7.0f);
     lse.assign(static_cast<std::size_t>(p.lse_size()), 123.0f);
   }
-  ragged_batch batch() const { return {static_cast<index_t>(cu_q.size()) - 1, cu_q.data(), cu_kv.data()}; }
 };
 
 /// Runs the mixed attend_ragged, then: the f32 attend_ragged on the widened K/V gives the same bits; every sequence
