@@ -170,34 +170,36 @@ std::vector<block_sparse_mask> random_block_masks(const problem& p, std::mt19937
   return out;
 }
 
+/// `rounds` random shapes (seq_q in [1, max_q], seq_kv in [1, max_kv], 2 heads); check(mask, seq_q, seq_kv) for a
+/// random band mask and every random block-sparse mask of each.
+template <class Check>
+void for_random_masks(std::mt19937_64& rng, int rounds, index_t max_q, index_t max_kv, Check&& check) {
+  for (int n = 0; n < rounds; ++n) {
+    const index_t seq_q = 1 + index_t(rng() % max_q), seq_kv = 1 + index_t(rng() % max_kv);
+    const problem p{1, 2, 2, seq_q, seq_kv, 8};
+    CAPTURE(n, seq_q, seq_kv);
+    check(random_band(p, rng), seq_q, seq_kv);
+    std::vector<block_layout> keep;
+    for (const block_sparse_mask& m : random_block_masks(p, rng, keep)) check(m, seq_q, seq_kv);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("mask walk: key_tiles visits every allowed key of a q-tile exactly once", "[mask_walk]") {
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
-  for (int n = 0; n < 40; ++n) {
-    const index_t seq_q = 1 + index_t(rng() % 150), seq_kv = 1 + index_t(rng() % 170);
-    const problem p{1, 2, 2, seq_q, seq_kv, 8};
-    CAPTURE(n, seq_q, seq_kv);
-    check_key_tiles(random_band(p, rng), seq_q, seq_kv, rng);
-    std::vector<block_layout> keep;
-    for (const block_sparse_mask& m : random_block_masks(p, rng, keep)) check_key_tiles(m, seq_q, seq_kv, rng);
-  }
+  for_random_masks(rng, 40, 150, 170,
+                   [&](const auto& m, index_t seq_q, index_t seq_kv) { check_key_tiles(m, seq_q, seq_kv, rng); });
 }
 
 TEST_CASE("mask walk: q_tile_walk lists exactly the q tiles that see a kv tile", "[mask_walk]") {
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
-  for (int n = 0; n < 30; ++n) {
-    const index_t seq_q = 1 + index_t(rng() % 130), seq_kv = 1 + index_t(rng() % 140);
-    const problem p{1, 2, 2, seq_q, seq_kv, 8};
-    CAPTURE(n, seq_q, seq_kv);
-    check_column_walk(random_band(p, rng), seq_q, seq_kv, rng);
-    std::vector<block_layout> keep;
-    for (const block_sparse_mask& m : random_block_masks(p, rng, keep)) check_column_walk(m, seq_q, seq_kv, rng);
-  }
+  for_random_masks(rng, 30, 130, 140,
+                   [&](const auto& m, index_t seq_q, index_t seq_kv) { check_column_walk(m, seq_q, seq_kv, rng); });
 }
 
 TEST_CASE("mask walk: band_rule::columns is the band's allowed() as a column range, in index_t and in int",
