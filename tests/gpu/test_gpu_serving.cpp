@@ -60,6 +60,39 @@ std::string mask_label(const serving_mask& m) {
   return std::visit([](const auto& x) { return std::string(mask_name(x)); }, m);
 }
 
+/// Uniform values in [−1, 1) of type T.
+template <class T>
+std::vector<T> uniform_values(std::mt19937_64& rng, index_t count) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> x(static_cast<std::size_t>(count));
+  for (auto& e : x) e = T(float(u(rng)));
+  return x;
+}
+
+/// A decode call's inputs: fresh random Q, K, V (bhsd) on the host and the device, O filled with 7 and lse with 123
+/// (so a row left unwritten shows), and their views.
+template <class T>
+struct decode_case {
+  decode_case(const problem& p, std::mt19937_64& rng)
+      : q(uniform_values<T>(rng, p.batch * p.heads * p.seq_q * p.head_dim)),
+        k(uniform_values<T>(rng, p.batch * p.heads_kv * p.seq_kv * p.head_dim)),
+        v(uniform_values<T>(rng, p.batch * p.heads_kv * p.seq_kv * p.head_dim)),
+        dq(q),
+        dk(k),
+        dv(v),
+        d_o(std::vector<T>(q.size(), T(7.0f))),
+        dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f)),
+        qv(bhsd<const T>(dq.ptr, p.q_dims())),
+        kv(bhsd<const T>(dk.ptr, p.kv_dims())),
+        vv(bhsd<const T>(dv.ptr, p.kv_dims())),
+        ov(bhsd(d_o.ptr, p.o_dims())) {}
+  std::vector<T> q, k, v;
+  dev<T> dq, dk, dv, d_o;
+  dev<float> dlse;
+  tensor_ref<const T> qv, kv, vv;
+  tensor_ref<T> ov;
+};
+
 /// Checks rows of O (a (heads, rows, d) block at `o`) and their lse against the oracle on (q, k, v) of one sequence:
 /// error within the tolerance a plain same-precision implementation gives.
 template <class T>
@@ -255,6 +288,21 @@ TEMPLATE_TEST_CASE("cuda ragged batches match the float64 oracle", "[gpu][servin
     }
 }
 
+/// Checks every sequence of a decode_case's O and lse (read back) against the oracle.
+template <class T>
+void check_batch(const problem& p, const decode_case<T>& c, const serving_mask& mask, const std::vector<T>& o,
+                 const std::vector<float>& lse) {
+  const index_t rows = p.heads * p.seq_q * p.head_dim, keys = p.heads_kv * p.seq_kv * p.head_dim;
+  for (index_t b = 0; b < p.batch; ++b) {
+    problem pb = p;
+    pb.batch = 1;
+    check_sequence<T>(pb, bhsd<const T>(c.q.data() + b * rows, pb.q_dims()),
+                      bhsd<const T>(c.k.data() + b * keys, pb.kv_dims()),
+                      bhsd<const T>(c.v.data() + b * keys, pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
+                      p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
+  }
+}
+
 TEMPLATE_TEST_CASE("cuda attend on decode shapes runs cuda.decode", "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
   if (!have_device()) return;
   using T = TestType;
@@ -266,36 +314,17 @@ TEMPLATE_TEST_CASE("cuda attend on decode shapes runs cuda.decode", "[gpu][servi
       std::mt19937_64 rng(seed);
       INFO(scalar_name<T>() << " b=" << p.batch << " h=" << p.heads << " h_kv=" << p.heads_kv << " s_q=" << p.seq_q
                             << " s_kv=" << p.seq_kv << " d=" << p.head_dim << " " << mask_label(mask) << " seed=" << seed);
-      std::uniform_real_distribution<double> u(-1.0, 1.0);
-      auto fill = [&](index_t count) {
-        std::vector<T> x(static_cast<std::size_t>(count));
-        for (auto& e : x) e = T(float(u(rng)));
-        return x;
-      };
-      const std::vector<T> q = fill(p.batch * p.heads * p.seq_q * p.head_dim),
-                           k = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim),
-                           v = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim);
-      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
-      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
-      const auto qv = bhsd<const T>(dq.ptr, p.q_dims()), kv = bhsd<const T>(dk.ptr, p.kv_dims()),
-                 vv = bhsd<const T>(dv.ptr, p.kv_dims());
-      const kernel_plan pl = gpu::plan_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+      decode_case<T> c(p, rng);
+      const kernel_plan pl = gpu::plan_decode_cuda<T>(p, c.qv, c.kv, c.vv, c.ov, mask, c.dlse.ptr);
       INFO(pl.st.what());
       REQUIRE(pl.st.ok());
       CHECK(pl.kernel == "cuda.decode");
-      const status st = gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+      const status st = gpu::attend_decode_cuda<T>(p, c.qv, c.kv, c.vv, c.ov, mask, c.dlse.ptr);
       INFO(st.what());
       REQUIRE(st.ok());
-      const std::vector<T> o = d_o.get();
-      const std::vector<float> lse = dlse.get();
-      const index_t rows = p.heads * p.seq_q * p.head_dim, keys = p.heads_kv * p.seq_kv * p.head_dim;
-      for (index_t b = 0; b < p.batch; ++b) {
-        problem pb = p;
-        pb.batch = 1;
-        check_sequence<T>(pb, bhsd<const T>(q.data() + b * rows, pb.q_dims()), bhsd<const T>(k.data() + b * keys, pb.kv_dims()),
-                          bhsd<const T>(v.data() + b * keys, pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
-                          p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
-      }
+      const std::vector<T> o = c.d_o.get();
+      const std::vector<float> lse = c.dlse.get();
+      check_batch(p, c, mask, o, lse);
     }
 }
 
@@ -312,34 +341,15 @@ TEMPLATE_TEST_CASE("cuda decode splits a batch's keys over the SMs: tails, split
       std::mt19937_64 rng(seed);
       INFO(scalar_name<T>() << " b=" << p.batch << " h=" << p.heads << " h_kv=" << p.heads_kv << " s_q=" << p.seq_q
                             << " s_kv=" << p.seq_kv << " d=" << p.head_dim << " " << mask_label(mask) << " seed=" << seed);
-      std::uniform_real_distribution<double> u(-1.0, 1.0);
-      auto fill = [&](index_t count) {
-        std::vector<T> x(static_cast<std::size_t>(count));
-        for (auto& e : x) e = T(float(u(rng)));
-        return x;
-      };
-      const std::vector<T> q = fill(p.batch * p.heads * p.seq_q * p.head_dim),
-                           k = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim),
-                           v = fill(p.batch * p.heads_kv * p.seq_kv * p.head_dim);
-      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
-      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
-      const auto qv = bhsd<const T>(dq.ptr, p.q_dims()), kv = bhsd<const T>(dk.ptr, p.kv_dims()),
-                 vv = bhsd<const T>(dv.ptr, p.kv_dims());
-      REQUIRE(gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr).ok());
-      const std::vector<T> o = d_o.get();
-      const std::vector<float> lse = dlse.get();
-      const index_t rows = p.heads * p.seq_q * p.head_dim, keys = p.heads_kv * p.seq_kv * p.head_dim;
-      for (index_t b = 0; b < p.batch; ++b) {
-        problem pb = p;
-        pb.batch = 1;
-        check_sequence<T>(pb, bhsd<const T>(q.data() + b * rows, pb.q_dims()), bhsd<const T>(k.data() + b * keys, pb.kv_dims()),
-                          bhsd<const T>(v.data() + b * keys, pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
-                          p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
-      }
+      decode_case<T> c(p, rng);
+      REQUIRE(gpu::attend_decode_cuda<T>(p, c.qv, c.kv, c.vv, c.ov, mask, c.dlse.ptr).ok());
+      const std::vector<T> o = c.d_o.get();
+      const std::vector<float> lse = c.dlse.get();
+      check_batch(p, c, mask, o, lse);
       // The same call again: bitwise the same O and lse (fixed split count, fixed merge order).
-      REQUIRE(gpu::attend_decode_cuda<T>(p, qv, kv, vv, bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr).ok());
-      const std::vector<T> o2 = d_o.get();
-      const std::vector<float> lse2 = dlse.get();
+      REQUIRE(gpu::attend_decode_cuda<T>(p, c.qv, c.kv, c.vv, c.ov, mask, c.dlse.ptr).ok());
+      const std::vector<T> o2 = c.d_o.get();
+      const std::vector<float> lse2 = c.dlse.get();
       CHECK(std::memcmp(o.data(), o2.data(), o.size() * sizeof(T)) == 0);
       CHECK(std::memcmp(lse.data(), lse2.data(), lse.size() * sizeof(float)) == 0);
     }
