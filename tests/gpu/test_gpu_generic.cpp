@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_check.hpp"
 #include "gpu_entry.hpp"
 #include "support/check.hpp"
 
@@ -25,13 +26,6 @@ using namespace fusedattn::testing;
 using fusedattn::policy::cuda_kernel;
 
 namespace {
-
-bool have_device() {
-  std::string why;
-  if (gpu::device_available(why)) return true;
-  WARN("skipped: " << why);
-  return false;
-}
 
 /// The L2 bound of the file comment, relative to |O|.
 template <class T>

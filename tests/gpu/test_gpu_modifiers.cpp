@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_check.hpp"
 #include "gpu_entry.hpp"
 #include "support/check.hpp"
 
@@ -16,13 +17,6 @@ using namespace fusedattn::testing;
 using fusedattn::policy::cuda_kernel;
 
 namespace {
-
-bool have_device() {
-  std::string why;
-  if (gpu::device_available(why)) return true;
-  WARN("skipped: " << why);
-  return false;
-}
 
 const char* kernel_label(cuda_kernel k) {
   return k == cuda_kernel::flash            ? "flash"

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_check.hpp"
 #include "gpu_entry.hpp"
 #include "support/check.hpp"
 
@@ -21,13 +22,6 @@ const char* kernel_label(cuda_kernel k) {
          : k == cuda_kernel::flash_mma_sync ? "flash (mma.sync)"
          : k == cuda_kernel::naive          ? "naive"
                                             : "automatic";
-}
-
-bool have_device() {
-  std::string why;
-  if (gpu::device_available(why)) return true;
-  WARN("skipped: " << why);
-  return false;
 }
 
 /// Where the non-finite value goes: one element of a Q row, one element of a K row, or a whole V row.
