@@ -172,6 +172,27 @@ int check(dist::nccl_comm& comm, cudaStream_t stream) {
   return failures == 0 ? 0 : 1;
 }
 
+/// Seconds of one `call` on `stream`, timed with CUDA events: a warm-up call, then the median of `reps` calls.
+template <class Call>
+double event_median(cudaStream_t stream, int reps, Call call) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i <= reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    call();
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i > 0) t.push_back(ms * 1e-3);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return median(t);
+}
+
 int bench(dist::nccl_comm& comm, cudaStream_t stream, const std::vector<long long>& seqs, int reps, const char* json) {
   const int n = comm.size(), r = comm.rank();
   FILE* out = (r == 0 && json) ? std::fopen(json, "a") : nullptr;
@@ -184,25 +205,12 @@ int bench(dist::nccl_comm& comm, cudaStream_t stream, const std::vector<long lon
     double t1 = 0;
     if (r == 0) {
       shard_set one(p, 1, 0);
-      cudaEvent_t e0, e1;
-      CHECK_CUDA(cudaEventCreate(&e0));
-      CHECK_CUDA(cudaEventCreate(&e1));
-      std::vector<double> t;
-      for (int i = 0; i <= reps; ++i) {
-        CHECK_CUDA(cudaEventRecord(e0, stream));
+      t1 = event_median(stream, reps, [&] {
         const fa::status st = fa::attend(fa::policy::cuda{stream}, p, fa::bhsd<const bf16>(one.q, p.q_dims()),
                                          fa::bhsd<const bf16>(one.k, p.kv_dims()), fa::bhsd<const bf16>(one.v, p.kv_dims()),
                                          fa::bhsd(one.o, p.o_dims()), fa::causal{}, one.lse);
         if (!st) std::fprintf(stderr, "one GPU: %s\n", st.what());
-        CHECK_CUDA(cudaEventRecord(e1, stream));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        if (i > 0) t.push_back(ms * 1e-3);
-      }
-      t1 = median(t);
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
+      });
     }
     MPI_Barrier(MPI_COMM_WORLD);
     shard_set sh(p, n, r);
@@ -262,28 +270,15 @@ int bench_backward(dist::nccl_comm& comm, cudaStream_t stream, const std::vector
       grads(p, d_o, dq, dk, dv);
       CHECK_CUDA(cudaMemcpyAsync(d_o, one.q, std::size_t(p.batch * p.heads * p.seq_q * p.head_dim) * sizeof(bf16),
                                  cudaMemcpyDeviceToDevice, stream));
-      cudaEvent_t e0, e1;
-      CHECK_CUDA(cudaEventCreate(&e0));
-      CHECK_CUDA(cudaEventCreate(&e1));
-      std::vector<double> t;
-      for (int i = 0; i <= reps; ++i) {
-        CHECK_CUDA(cudaEventRecord(e0, stream));
+      t1 = event_median(stream, reps, [&] {
         const fa::status st = fa::attend_backward(
             fa::policy::cuda{stream}, p, fa::bhsd<const bf16>(one.q, p.q_dims()), fa::bhsd<const bf16>(one.k, p.kv_dims()),
             fa::bhsd<const bf16>(one.v, p.kv_dims()), fa::bhsd<const bf16>(one.o, p.o_dims()),
             fa::bhsd<const bf16>(d_o, p.o_dims()), one.lse, fa::bhsd(dq, p.q_dims()), fa::bhsd(dk, p.kv_dims()),
             fa::bhsd(dv, p.kv_dims()), fa::causal{});
         if (!st) std::fprintf(stderr, "one GPU backward: %s\n", st.what());
-        CHECK_CUDA(cudaEventRecord(e1, stream));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        if (i > 0) t.push_back(ms * 1e-3);
-      }
-      t1 = median(t);
+      });
       for (void* x : {(void*)d_o, (void*)dq, (void*)dk, (void*)dv}) cudaFree(x);
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     shard_set sh(p, n, r);
