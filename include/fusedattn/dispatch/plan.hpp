@@ -53,7 +53,7 @@ status check_host_memory(const tensor_ref<const T>& q, const tensor_ref<const T>
 /// A plan that only carries a failed status.
 inline kernel_plan failed_plan(status st) {
   kernel_plan r;
-  r.st = std::move(st);
+  (void)(r.st = std::move(st));  // status is [[nodiscard]], its assignment too (nvcc warns)
   return r;
 }
 
