@@ -37,14 +37,28 @@ inline double bf16_half_ulp(const reference& exact) {
   return big > 0 ? std::ldexp(1.0, std::ilogb(big) - 8) : 0.0;
 }
 
+/// The error the rule counts from for kernels that feed P to bf16 dot products: the largest of a plain f32
+/// implementation's error, that of the same implementation with each probability rounded to bf16 before P·V (the
+/// same-precision plain implementation, as PyTorch's bf16 math path), both with the output rounded to bf16, and
+/// bf16_half_ulp. q, k, v, mask: the inputs the kernel read, in any storage type.
+template <class T, class Mask>
+double bf16_plain_error(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                        const tensor_ref<const T>& v, const Mask& mask, const reference& plain,
+                        const reference& exact) {
+  const reference rounded_p = reference_attention<float, Eigen::bfloat16>(p, q, k, v, mask);
+  return std::max({plain_error<Eigen::bfloat16>(plain, exact), plain_error<Eigen::bfloat16>(rounded_p, exact),
+                   bf16_half_ulp(exact)});
+}
+
 /// The low-precision rule on one call's outputs: O (`o`, a view of Out) within 2x the error of a plain f32
-/// implementation rounded to Out (for bf16 output at least bf16_half_ulp) + 1e-7, and lse within 2x the plain lse
-/// error + lse_floor. exact / plain: the float64 and f32 references on the inputs the kernel read.
+/// implementation rounded to Out (for bf16 output at least `bf16_err`, bf16_plain_error's value) + 1e-7, and lse
+/// within 2x the plain lse error + lse_floor. exact / plain: the float64 and f32 references on the inputs the kernel
+/// read.
 template <class Out>
 void check_lowp_rule(const tensor_ref<Out>& o, const std::vector<float>& lse, const reference& exact,
-                     const reference& plain, double lse_floor) {
+                     const reference& plain, double lse_floor, double bf16_err = 0) {
   double plain_err = plain_error<Out>(plain, exact);
-  if (std::is_same<Out, Eigen::bfloat16>::value) plain_err = std::max(plain_err, bf16_half_ulp(exact));
+  if (std::is_same<Out, Eigen::bfloat16>::value) plain_err = std::max(plain_err, bf16_err);
   const double err = max_abs_error(o, exact.o);
   INFO("max error " << err << ", plain f32 implementation rounded to the output type " << plain_err);
   CHECK(err <= 2.0 * plain_err + 1e-7);

@@ -32,10 +32,12 @@ bound_mods oracle_mods(const Mask&, long) {
 /// softmax(s'_ij restricted to allowed(i, j), plus the sink logit in the denominator) · v, every sum in double,
 /// with s'_ij = mods.apply(scale · q_i·k_j, h, i, j) (= scale · q_i·k_j without modifiers). A row with no allowed key
 /// gives O = 0 and lse = −inf, or lse = sink_h with sinks. `Acc` picks the arithmetic: double is the oracle; the storage type's
-/// accumulation type gives the "plain same-precision implementation" that tolerances are derived from.
+/// accumulation type gives the "plain same-precision implementation" that tolerances are derived from. `PRound`
+/// (default `Acc`) is the type each probability is rounded to before it multiplies V: bf16 gives the plain
+/// implementation of kernels that feed P to bf16 dot products (vdpbf16ps, AMX), as PyTorch's bf16 math path does.
 /// Rows are independent: with OpenMP, calls of more than 2^22 multiply-adds share their rows among the threads
 /// (each row is computed exactly as alone, so the result does not depend on the threads).
-template <class Acc = double, class T, class Mask>
+template <class Acc = double, class PRound = Acc, class T, class Mask>
 reference reference_attention(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                               const tensor_ref<const T>& v, const Mask& mask) {
   reference r{std::vector<double>(static_cast<std::size_t>(p.batch * p.heads * p.seq_q * p.head_dim)),
@@ -71,7 +73,8 @@ reference reference_attention(const problem& p, const tensor_ref<const T>& q, co
         if (!head_mask.allowed(i, j)) continue;
         const Acc e = std::exp(s[j] - m);
         l += e;
-        for (index_t c = 0; c < p.head_dim; ++c) acc[c] += e * static_cast<Acc>(v.row(b, g, j)[c]);
+        const Acc pv = static_cast<Acc>(static_cast<PRound>(e));
+        for (index_t c = 0; c < p.head_dim; ++c) acc[c] += pv * static_cast<Acc>(v.row(b, g, j)[c]);
       }
       const std::size_t o_row = static_cast<std::size_t>(row);
       for (index_t c = 0; c < p.head_dim; ++c)
