@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
@@ -17,8 +18,10 @@
 
 namespace fusedattn::testing {
 
-/// A fresh seed per call; tests CAPTURE it so a failure can be replayed.
+/// A fresh seed per call; tests CAPTURE it so a failure can be replayed: with FUSEDATTN_TEST_SEED set (decimal or
+/// 0x hex), every call returns that seed, so the failing case draws the inputs it drew before.
 inline std::uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("FUSEDATTN_TEST_SEED")) return std::strtoull(fixed, nullptr, 0);
   static std::random_device rd;
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
