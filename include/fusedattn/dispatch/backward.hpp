@@ -104,7 +104,7 @@ status run_backward(const Policy&, const problem&, const tensor_ref<const T>&, c
 ///
 /// @param pol   policy::cpu<Arch>{threads, tiles} (tiles.q / tiles.kv override the backward's tile sizes), or
 ///              policy::cuda{stream} (device pointers; f16 and bf16, head_dim a multiple of 8 up to 128, 16-byte
-///              aligned views; asynchronous on the stream; no score modifiers yet); other policies return
+///              aligned views; asynchronous on the stream; score modifiers too); other policies return
 ///              errc::unsupported.
 /// @param p     the forward's problem (sizes and scale).
 /// @param q, k, v  the forward's inputs; @param o the forward's output; @param d_o dL/dO, shaped like o.

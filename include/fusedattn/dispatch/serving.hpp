@@ -454,8 +454,8 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
 ///
 /// @param pol   policy::cpu<Arch>{threads, tiles}, or policy::cuda{stream} (every pointer device memory; the block
 ///              table and lengths are copied to the host and the stream synchronised to validate them, so the call is
-///              not graph-capturable; f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, no score modifiers:
-///              other shapes return errc::unsupported); other policies return errc::unsupported.
+///              not graph-capturable; f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, score modifiers
+///              too: other shapes return errc::unsupported); other policies return errc::unsupported.
 /// @param p     batch = sequences, heads, heads_kv, seq_q = query rows per sequence, seq_kv = the most keys a
 ///              sequence holds (every seq_lens[b] <= seq_kv <= blocks_per_seq · page_size), head_dim, scale.
 /// @param q     (batch, heads, seq_q, head_dim) view; o the same shape, not overlapping any input.
@@ -499,7 +499,7 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const float>
 /// @param pol   policy::cpu<Arch>{}, policy::cpu_naive{}, or policy::cuda{stream} (device pointers; the offsets are
 ///              copied to the host and the stream synchronised to validate them; every sequence with the same query
 ///              count and a decode shape runs one cuda.decode launch, anything else attend's CUDA kernels one
-///              sequence at a time; no score modifiers); other policies return errc::unsupported.
+///              sequence at a time; score modifiers on both); other policies return errc::unsupported.
 /// @param p     batch = 1, seq_q = total query tokens, seq_kv = total keys; heads, heads_kv, head_dim, scale.
 /// @param rb    the sequences and their cumulative offsets (rb.cu_seqlens_q ends at p.seq_q, cu_seqlens_kv at
 ///              p.seq_kv).
