@@ -11,6 +11,13 @@ status attend_backward_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<
 }
 
 template <class T>
+status attend_backward_cuda_mods(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
+                                 tensor_ref<const T> o, tensor_ref<const T> d_o, const float* lse, tensor_ref<T> dq,
+                                 tensor_ref<T> dk, tensor_ref<T> dv, const modified<any_mask>& mask) {
+  return attend_backward(policy::cuda{}, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
+}
+
+template <class T>
 status attend_backward_cuda_uploaded(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
                                      tensor_ref<const T> v, tensor_ref<const T> o, tensor_ref<const T> d_o,
                                      const float* lse, tensor_ref<T> dq, tensor_ref<T> dk, tensor_ref<T> dv,
@@ -28,6 +35,10 @@ status attend_backward_cuda_uploaded(const problem& p, tensor_ref<const T> q, te
                                           tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,          \
                                           const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,              \
                                           const any_mask&);                                                        \
+  template status attend_backward_cuda_mods<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,          \
+                                               tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,     \
+                                               const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,         \
+                                               const modified<any_mask>&);                                         \
   template status attend_backward_cuda_uploaded<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,      \
                                                    tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>, \
                                                    const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,     \

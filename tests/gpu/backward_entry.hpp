@@ -13,6 +13,12 @@ status attend_backward_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<
                             tensor_ref<const T> o, tensor_ref<const T> d_o, const float* lse, tensor_ref<T> dq,
                             tensor_ref<T> dk, tensor_ref<T> dv, const any_mask& mask);
 
+/// attend_backward(policy::cuda{}, ...) with score modifiers (their arrays in device memory); no synchronisation.
+template <class T>
+status attend_backward_cuda_mods(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
+                                 tensor_ref<const T> o, tensor_ref<const T> d_o, const float* lse, tensor_ref<T> dq,
+                                 tensor_ref<T> dk, tensor_ref<T> dv, const modified<any_mask>& mask);
+
 /// The same call with block_sparse's layout uploaded first (cuda::upload) and passed as cuda::device_block_sparse;
 /// synchronises before the device layout is freed. Returns the first failing status.
 template <class T>

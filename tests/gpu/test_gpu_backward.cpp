@@ -1,7 +1,8 @@
 // The CUDA backward pass (attend_backward on policy::cuda) against the float64 closed-form gradient: f16 and bf16,
 // every band mask and tail, GQA / MQA, head_dims 32-128 (and padded ones), strided views, block-sparse layouts
 // (copied per call and uploaded), bitwise determinism across runs, zero extents and bad input refused with nothing
-// written.
+// written; score modifiers (softcap, ALiBi of both alignments, sinks with their gradient, all three) on every mask.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -74,6 +75,7 @@ reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q
     for (index_t h = 0; h < p.heads; ++h) {
       const index_t hk = h / p.group_size();
       const auto hm = for_head(mask, b, h);
+      const bound_mods mods = oracle_mods(hm, 0);
       for (index_t i = 0; i < p.seq_q; ++i) {
         std::fill(dq.begin(), dq.end(), 0.f);
         const float l = lse[(b * p.heads + h) * p.seq_q + i];
@@ -91,8 +93,9 @@ reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q
               s += static_cast<float>(qi[c]) * static_cast<float>(kj[c]);
               dp += static_cast<float>(doi[c]) * static_cast<float>(vj[c]);
             }
-            const float pij = std::exp(scale * s - l);
-            const float ds = r16(pij * (dp - delta));
+            const float capped = mods.cap(scale * s);
+            const float pij = std::exp(capped + mods.bias<float>(h, i, j) - l);
+            const float ds = r16(pij * (dp - delta) * mods.cap_grad(capped));
             const float p16 = r16(pij);
             const std::size_t kr = static_cast<std::size_t>(((b * p.heads_kv + hk) * p.seq_kv + j) * d);
             for (index_t c = 0; c < d; ++c) {
@@ -135,7 +138,114 @@ void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool u
   check_gradients(c, mask, [](const auto&... a) { return plain_backward_16(a...); });
 }
 
+/// Forward on the CPU and backward on the device with score modifiers (their arrays on the host for the forward and
+/// the oracle, on the device for the backward); dQ, dK, dV and d sink against the float64 closed form.
+template <class T>
+void check_backward_mods_gpu(const problem& p, const any_mask& mask, bool cap, bool alibi_on, align alibi_align,
+                             bool sink) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  backward_case<T> c(p, layout::bhsd, rng);
+  c.q.fill(rng, -2.0, 2.0);  // scaled scores reach about ±2, so softcap 1.0 bends them
+  c.k.fill(rng, -2.0, 2.0);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<float> slopes(static_cast<std::size_t>(p.heads)), logits(slopes.size());
+  for (auto& x : slopes) x = float(0.01 + 0.1 * u(rng));
+  for (auto& x : logits) x = float(-1.0 + 3.0 * u(rng));
+  std::vector<float> dsink(slopes.size(), 99.0f);
+  gpu::device_buffer<float> d_slopes(slopes), d_logits(logits), d_dsink(dsink);
+  REQUIRE((d_slopes.ok() && d_logits.ok() && d_dsink.ok()));
+  const auto with = [&](const float* sl, const float* lg, float* gr) {
+    modified<any_mask> m{mask, {}};
+    if (cap) m = m | softcap{1.0f};
+    if (alibi_on) m = m | alibi{sl, alibi_align};
+    if (sink) m = m | sinks{lg, gr};
+    return m;
+  };
+  const modified<any_mask> on_host = with(slopes.data(), logits.data(), nullptr);
+  const modified<any_mask> on_device = with(d_slopes.data(), d_logits.data(), d_dsink.data());
+  INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << (cap ? " softcap" : "")
+                        << (alibi_on ? (alibi_align == align::top_left ? " alibi(top_left)" : " alibi(bottom_right)") : "")
+                        << (sink ? " sinks" : "") << " seed=" << seed);
+  c.forward(on_host);
+  bwd_device<T> dev(c);
+  REQUIRE(dev.ok());
+  const status st = gpu::attend_backward_cuda_mods<T>(
+      p, dev.in(c.q, dev.q), dev.in(c.k, dev.k), dev.in(c.v, dev.v), dev.in(c.o, dev.o), dev.in(c.d_o, dev.d_o),
+      dev.lse.data(), dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk), dev.out(c.dv, dev.dv), on_device);
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const status sync = gpu::synchronize();
+  INFO(sync.what());
+  REQUIRE(sync.ok());
+  dev.read();
+  d_dsink.copy_to(dsink);
+  std::visit(
+      [&](const auto& m) {
+        const auto bound = bind(modified<std::decay_t<decltype(m)>>{m, on_host.mods}, p);
+        const reference_grads ref = reference_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.d_o.cview(), bound);
+        const reference_grads pl =
+            plain_backward_16(p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.cview(), c.d_o.cview(), c.lse.data(), bound);
+        // ALiBi's logits grow with the distance: the floor widens with the largest bias (as the CPU tests do).
+        const double extra = alibi_on ? 0.11 * double(p.seq_q + p.seq_kv) * 8.0 * epsilon<T>() : 0.0;
+        const auto check = [&](const char* name, const auto& got, const std::vector<double>& oracle,
+                               const std::vector<double>& plain) {
+          const double tol = gradient_tolerance<T>(oracle, plain, extra);
+          const double err = max_abs_error(got, oracle);
+          INFO(name << ": error " << err << " plain error " << max_difference(plain, oracle) << " tolerance " << tol);
+          CHECK(err <= tol);
+        };
+        check("dq", c.dq.view, ref.dq, pl.dq);
+        check("dk", c.dk.view, ref.dk, pl.dk);
+        check("dv", c.dv.view, ref.dv, pl.dv);
+        if (sink) {
+          // d sink against the oracle: the plain f32 closed form's error, and float roundoff over the rows summed.
+          const reference_grads pf = plain_backward(p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.cview(),
+                                                    c.d_o.cview(), c.lse.data(), bound);
+          double err = 0, plain_err = 0;
+          for (std::size_t h = 0; h < dsink.size(); ++h) {
+            err = std::max(err, std::isnan(dsink[h]) ? std::numeric_limits<double>::infinity()
+                                                     : std::abs(double(dsink[h]) - ref.dsink[h]));
+            plain_err = std::max(plain_err, std::abs(pf.dsink[h] - ref.dsink[h]));
+          }
+          const double tol = 2.0 * plain_err + 8.0 * std::max(epsilon<T>(), epsilon<float>()) *
+                                                   double(p.batch * p.seq_q) * std::max(1.0, max_magnitude(ref.dsink));
+          INFO("dsink: error " << err << " plain error " << plain_err << " tolerance " << tol);
+          CHECK(err <= tol);
+        } else {
+          CHECK(dsink == std::vector<float>(dsink.size(), 99.0f));
+        }
+      },
+      mask);
+}
+
 }  // namespace
+
+TEMPLATE_TEST_CASE("cuda backward applies score modifiers like the float64 gradient", "[gpu][backward][modifiers]",
+                   Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  struct set {
+    bool cap, alibi;
+    align alibi_align;
+    bool sink;
+  };
+  const set sets[] = {{true, false, align::top_left, false},
+                      {false, true, align::top_left, false},
+                      {false, true, align::bottom_right, false},
+                      {false, false, align::top_left, true},
+                      {true, true, align::bottom_right, true}};
+  // Tails (sizes not multiples of 64), GQA 4/2 and MQA 4/1, head_dim 64 and 128.
+  const std::vector<problem> shapes = {{1, 4, 2, 100, 77, 64}, {2, 4, 1, 130, 200, 128}, {1, 2, 2, 65, 129, 64}};
+  for (const set& s : sets)
+    for (const problem& p : shapes)
+      for (const any_mask& mask : {any_mask{dense{}}, any_mask{causal{align::top_left}},
+                                   any_mask{causal{align::bottom_right}}, any_mask{window{30, 10, align::bottom_right}}})
+        check_backward_mods_gpu<T>(p, mask, s.cap, s.alibi, s.alibi_align, s.sink);
+  // Block-sparse with all three.
+  const problem p{1, 2, 1, 256, 300, 64};
+  const block_layout lay = random_layout(block_geometry{256, 300, 128, 32, 1, 2}, 0.5, fresh_seed());
+  check_backward_mods_gpu<T>(p, block_sparse{lay, causal{}}, true, true, align::top_left, true);
+}
 
 TEMPLATE_TEST_CASE("cuda backward matches the float64 gradient: every mask, tails, GQA/MQA, head_dims",
                    "[gpu][backward]", Eigen::half, Eigen::bfloat16) {

@@ -15,6 +15,10 @@
 ///      K/V buffers); per tile S = Q·Kᵀ, P, dP = dO·Vᵀ, dS = P∘(dP − δ), dQ += dS·K, and dQ·scale is stored once.
 /// dQ by a kernel of its own recomputes S and dP once more (7 GEMMs of the head's size instead of 5), in exchange
 /// for no f32 scratch of dQ and no ordered or atomic accumulation across kv tiles.
+/// Score modifiers run in the kernels' second instantiation (`Mods`): the recomputed scores become S' (softcap, then
+/// the ALiBi bias, before the mask), P = 2^(scale·log2e·S' − lse·log2e) with the forward's lse (which counts the
+/// sink), and dS takes softcap's chain-rule factor 1 − tanh²; a fourth kernel, backward_sink_kernel, writes
+/// d sink_h = −Σ_{b,i} e^(sink_h − lse_{b,h,i})·δ_{b,h,i} when sinks.grad is set.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -217,7 +221,51 @@ __device__ __forceinline__ void zero_acc(float (&c)[N][4]) {
 }
 
 /// dK and dV of one kv tile: see the file comment (2.).
-template <class E, class Tile, class Mask>
+/// The score modifiers of one head in the backward kernels: flash.cuh's tile_mods split into its softcap part and
+/// its ALiBi part, so that the recomputed S' = bias(cap(S)) keeps cap(S) for softcap's chain-rule factor.
+struct backward_mods {
+  tile_mods cap, bias;
+  backward_mods() = default;
+  __device__ __forceinline__ explicit backward_mods(const tile_mods& m) : cap(m), bias(m) {
+    cap.biased = false;
+    bias.capped = false;
+  }
+  /// Rewrites the raw score s of row i, key j to S' and returns d S' / d S = 1 − (cap(S) / cap_out)² (1 without
+  /// softcap).
+  __device__ __forceinline__ float apply(float& s, int i, int j) const {
+    const float c = cap.apply(s, i, j);
+    s = bias.apply(c, i, j);
+    if (!cap.capped) return 1.f;
+    const float r = c / cap.cap_out;
+    return 1.f - r * r;
+  }
+};
+
+/// d sink_h = −Σ_{b,i} e^(sink_h − lse_{b,h,i})·δ_{b,h,i} into mods.sink_grad[h]: one block of 256 threads per head,
+/// a fixed summation order (bitwise the same on every run); rows that saw no key (δ = 0) add nothing.
+template <class Mask>
+__global__ void __launch_bounds__(256) backward_sink_kernel(const backward_params_t<Mask> p, const bound_mods mods) {
+  __shared__ float red[256];
+  const int h = blockIdx.x;
+  const float sink = mods.sink<float>(h);
+  float sum = 0.f;
+  const index_t rows = index_t(p.batch) * p.seq_q;
+  for (index_t e = threadIdx.x; e < rows; e += 256) {
+    const index_t b = e / p.seq_q, i = e % p.seq_q;
+    const index_t row = (b * p.heads + h) * p.seq_q + i;
+    const float l = p.lse[row];
+    if (l != -INFINITY) sum = fmaf(expf(sink - l), p.delta[row], sum);
+  }
+  red[threadIdx.x] = sum;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (int(threadIdx.x) < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) mods.sink_grad[h] = 0.f - red[0];
+}
+
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
   constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
@@ -287,6 +335,15 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
     float s[BM / 8][4];
     zero_acc(s);
     mma_abt<E, D, BM>(s, sk, kw, sq_t, lane);
+    [[maybe_unused]] float cg[BM / 8][4];  // softcap's chain-rule factor (Mods)
+    if constexpr (Mods) {
+      const backward_mods bm(make_tile_mods<true>(mask, h, p.scale_log2));
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          cg[n][e] = bm.apply(s[n][e], q0 + n * 8 + 2 * t + (e & 1), k0 + kw + g + 8 * (e / 2));
+    }
     if (partial) {
       const band32 rule = element_rule(mask);
       bool listed[2];
@@ -322,8 +379,11 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
       for (int n = 0; n < BM / 8; ++n) {
         const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          pk[n][r] = mma_type<E>::pack(s[n][2 * r] * (dp[n][2 * r] - d0), s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1));
+        for (int r = 0; r < 2; ++r) {
+          float x0 = s[n][2 * r] * (dp[n][2 * r] - d0), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1);
+          if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+          pk[n][r] = mma_type<E>::pack(x0, x1);
+        }
       }
     }
     // dK (16 keys × D) += dSᵀ·Q.
@@ -341,7 +401,7 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
 }
 
 /// dQ of one q tile: see the file comment (3.).
-template <class E, class Tile, class Mask>
+template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_q, BN = Tile::block_kv;
   constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
@@ -364,6 +424,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
   auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
 
   const Mask mask = head_mask(p.mask, b, h);
+  [[maybe_unused]] backward_mods bm;
+  if constexpr (Mods) bm = backward_mods(make_tile_mods<true>(mask, h, p.scale_log2));
   key_tiles<Mask, BN> tiles(mask, q0, q1);
   const band32 rule = element_rule(mask);
   const int k_first = tiles.first(0, 1);
@@ -410,6 +472,13 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
     float s[BN / 8][4];
     zero_acc(s);
     mma_abt<E, D, BN>(s, sq, wr, sk_t, lane);
+    [[maybe_unused]] float cg[BN / 8][4];  // softcap's chain-rule factor (Mods)
+    if constexpr (Mods) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cg[n][e] = bm.apply(s[n][e], w0 + g + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
+    }
     const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
     if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
 #pragma unroll
@@ -436,9 +505,11 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          pk[n][r] = mma_type<E>::pack(s[n][2 * r] * (dp[n][2 * r] - dlt[r]),
-                                       s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]));
+        for (int r = 0; r < 2; ++r) {
+          float x0 = s[n][2 * r] * (dp[n][2 * r] - dlt[r]), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]);
+          if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+          pk[n][r] = mma_type<E>::pack(x0, x1);
+        }
     }
     mma_packed_b<E, D, BN>(dq, pk, sk_t, lane);
     cp_async_wait<0>();
@@ -493,6 +564,7 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
                                int(p.seq_kv), int(p.head_dim), static_cast<float>(p.softmax_scale()),
                                static_cast<float>(p.softmax_scale() * log2e), nullptr, mask};
     const index_t rows = p.batch * p.heads * p.seq_q;
+    const bound_mods mods = mods_of(mask);
     scratch_arena arena(stream);
     if (rows > 0) {
       if (status st = arena.allocate(bp.delta, rows, "backward: delta rows"); !st) return st;
@@ -512,12 +584,21 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
         kernel<<<grid, Tile::threads, smem, stream>>>(bp);
         return last_launch(name);
       };
-      if (status st = launch(backward_dkdv_kernel<E, Tile, Mask>, Tile::dkdv_smem, p.seq_kv, Tile::block_kv,
-                             int(p.heads_kv), "backward_dkdv_kernel");
-          !st)
-        return st;
-      return launch(backward_dq_kernel<E, Tile, Mask>, Tile::dq_smem, p.seq_q, Tile::block_q, int(p.heads),
-                    "backward_dq_kernel");
+      const auto kernels = [&](auto mods_on) -> status {
+        constexpr bool Mods = decltype(mods_on)::value;
+        if (status st = launch(backward_dkdv_kernel<E, Tile, Mask, Mods>, Tile::dkdv_smem, p.seq_kv, Tile::block_kv,
+                               int(p.heads_kv), "backward_dkdv_kernel");
+            !st)
+          return st;
+        return launch(backward_dq_kernel<E, Tile, Mask, Mods>, Tile::dq_smem, p.seq_q, Tile::block_q, int(p.heads),
+                      "backward_dq_kernel");
+      };
+      if (status st = mods.changes_scores() ? kernels(std::true_type{}) : kernels(std::false_type{}); !st) return st;
+      if (mods.sink_logits != nullptr && mods.sink_grad != nullptr) {
+        backward_sink_kernel<Mask><<<unsigned(p.heads), 256, 0, stream>>>(bp, mods);
+        return last_launch("backward_sink_kernel");
+      }
+      return {};
     });
   } else {
     return {errc::unsupported,
@@ -525,14 +606,14 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
   }
 }
 
-/// policy::cuda's backward after validation: refusals (modifiers, device pointers, types, head_dim, alignment,
-/// block-sparse geometry), then the launch on the policy's stream. Nothing is launched for a zero batch or heads.
+/// policy::cuda's backward after validation: refusals (device pointers, the modifiers' arrays included, types,
+/// head_dim, alignment, block-sparse geometry), then the launch on the policy's stream. Nothing is launched for a zero
+/// batch or heads.
 template <class T, class Mask>
 status backward(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q,
                 const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
                 const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq, const tensor_ref<T>& dk,
                 const tensor_ref<T>& dv, const Mask& mask) {
-  if (status st = detail::mods_unsupported(mods_of(mask), "the CUDA backward kernel"); !st) return st;
   const tensor_ref<const T>* const in[5] = {&q, &k, &v, &o, &d_o};
   const tensor_ref<T>* const out[3] = {&dq, &dk, &dv};
   const char* in_name[5] = {"q", "k", "v", "o", "d_o"};
@@ -544,6 +625,12 @@ status backward(const policy::cuda& pol, const problem& p, const tensor_ref<cons
     if (out[i]->data != nullptr)
       if (status st = check_device_pointer(out[i]->data, out_name[i]); !st) return st;
   if (status st = check_device_pointer(lse, "lse"); !st) return st;
+  const bound_mods& mods = mods_of(mask);
+  const void* mod_ptrs[3] = {mods.alibi_slopes, mods.sink_logits, mods.sink_grad};
+  const char* mod_names[3] = {"alibi.slopes", "sinks.logits", "sinks.grad"};
+  for (int i = 0; i < 3; ++i)
+    if (mod_ptrs[i] != nullptr)
+      if (status st = check_device_pointer(mod_ptrs[i], mod_names[i]); !st) return st;
   if (status st = backward_applies(p, in, out); !st) return st;
   if (status st = backward_fits_mask(mask); !st) return st;
   if (p.batch == 0 || p.heads == 0) return {};
@@ -568,7 +655,6 @@ status run_backward(const policy::cuda& pol, const problem& p, const tensor_ref<
                     const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<const T>& o,
                     const tensor_ref<const T>& d_o, const float* lse, const tensor_ref<T>& dq,
                     const tensor_ref<T>& dk, const tensor_ref<T>& dv, const block_sparse_mask& mask) {
-  if (status st = mods_unsupported(mods_of(mask), "the CUDA backward kernel"); !st) return st;
   // A zero extent: no element is allowed, so the layout's element rule alone gives the zeros to write (no copy).
   if (p.batch == 0 || p.heads == 0 || p.seq_q == 0 || p.seq_kv == 0)
     return cuda_backend::backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask.band);
