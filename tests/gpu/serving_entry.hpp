@@ -10,8 +10,8 @@
 
 namespace fusedattn::testing::gpu {
 
-/// The masks a serving call takes.
-using serving_mask = std::variant<dense, causal, window>;
+/// The masks a serving call takes (causal with score modifiers: attend_paged and attend_ragged only).
+using serving_mask = std::variant<dense, causal, window, modified<causal>>;
 
 /// attend_paged(policy::cuda{}, ...) on device pointers (q, o, lse, pools, block table, lengths); synchronises.
 template <class T>

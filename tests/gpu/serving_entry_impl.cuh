@@ -3,6 +3,8 @@
 /// type, each type in a translation unit of its own (serving_entry_f16.cu, serving_entry_bf16.cu). Not part of the library.
 #pragma once
 
+#include <type_traits>
+
 #include "serving_entry.hpp"
 
 namespace fusedattn::testing::gpu {
@@ -29,13 +31,28 @@ status attend_ragged_cuda(const problem& p, const ragged_batch& rb, tensor_ref<c
 template <class T>
 status attend_decode_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
                           tensor_ref<T> o, const serving_mask& mask, float* lse) {
-  return synced(std::visit([&](const auto& m) { return attend(policy::cuda{}, p, q, k, v, o, m, lse); }, mask));
+  return synced(std::visit(
+      [&](const auto& m) -> status {
+        if constexpr (fusedattn::detail::is_modified_v<std::decay_t<decltype(m)>>)
+          return {errc::unsupported, "attend_decode_cuda: plain masks only"};
+        else
+          return attend(policy::cuda{}, p, q, k, v, o, m, lse);
+      },
+      mask));
 }
 
 template <class T>
 kernel_plan plan_decode_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
                              tensor_ref<T> o, const serving_mask& mask, float* lse) {
-  return std::visit([&](const auto& m) { return plan(policy::cuda{}, p, q, k, v, o, m, lse); }, mask);
+  return std::visit(
+      [&](const auto& m) -> kernel_plan {
+        if constexpr (fusedattn::detail::is_modified_v<std::decay_t<decltype(m)>>) {
+          return detail::failed_plan(status{errc::unsupported, "plan_decode_cuda: plain masks only"});
+        } else {
+          return plan(policy::cuda{}, p, q, k, v, o, m, lse);
+        }
+      },
+      mask);
 }
 
 #define FUSEDATTN_SERVING_ENTRY(T)                                                                                  \

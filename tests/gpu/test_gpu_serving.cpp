@@ -3,7 +3,8 @@
 // and prefill sequence by sequence), plain attend on decode shapes (fa::plan names cuda.decode), GQA 32/8, 8/8 and
 // 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; batches whose keys split over
 // the SMs (partial tiles, idle warps, short last splits) rerun bitwise; the NaN contract on a masked key; bad tables
-// and offsets refused with nothing written.
+// and offsets refused with nothing written; score modifiers (softcap, ALiBi of both alignments, sinks, all three) on
+// paged and ragged calls, with a sequence of no keys (lse = the sink) and a split sequence (the sink counted once).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -172,9 +173,10 @@ struct paged_case {
   }
 };
 
+/// `oracle_mask`, when given, is `mask` with its modifiers' arrays on the host (the call's are on the device).
 template <class T>
 void run_paged(const problem& shape, index_t page_size, page_layout layout, const std::vector<std::int32_t>& lens,
-               const serving_mask& mask) {
+               const serving_mask& mask, const serving_mask* oracle_mask = nullptr) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   paged_case<T> c(shape, page_size, layout, lens, rng);
@@ -203,9 +205,79 @@ void run_paged(const problem& shape, index_t page_size, page_layout layout, cons
     pb.seq_kv = len;
     const std::vector<T> kb = c.gather(c.k, b), vb = c.gather(c.v, b);
     check_sequence<T>(pb, bhsd<const T>(c.q.data() + b * rows, pb.q_dims()), bhsd<const T>(kb.data(), pb.kv_dims()),
-                      bhsd<const T>(vb.data(), pb.kv_dims()), mask, o.data() + b * rows, p.head_dim,
-                      p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q, p.seq_q);
+                      bhsd<const T>(vb.data(), pb.kv_dims()), oracle_mask != nullptr ? *oracle_mask : mask,
+                      o.data() + b * rows, p.head_dim, p.seq_q * p.head_dim, lse.data() + b * p.heads * p.seq_q,
+                      p.seq_q);
   }
+}
+
+/// attend_ragged on sequences of nq[b] queries and nk[b] keys (packed bshd) against one oracle call per sequence;
+/// `oracle_mask` as in run_paged.
+template <class T>
+void run_ragged(const std::vector<std::int32_t>& nq_of, const std::vector<std::int32_t>& nk_of, index_t heads,
+                index_t heads_kv, index_t d, const serving_mask& mask, const serving_mask* oracle_mask = nullptr) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const index_t n = static_cast<index_t>(nq_of.size());
+  std::vector<std::int32_t> cu_q(std::size_t(n + 1), 0), cu_kv(std::size_t(n + 1), 0);
+  for (index_t b = 0; b < n; ++b) {
+    cu_q[std::size_t(b + 1)] = cu_q[std::size_t(b)] + nq_of[std::size_t(b)];
+    cu_kv[std::size_t(b + 1)] = cu_kv[std::size_t(b)] + nk_of[std::size_t(b)];
+  }
+  const problem p{1, heads, heads_kv, cu_q.back(), cu_kv.back(), d};
+  INFO(scalar_name<T>() << " sequences " << n << " " << mask_label(mask) << " seed=" << seed);
+  const std::vector<T> q = uniform_values<T>(rng, p.seq_q * p.heads * p.head_dim),
+                       k = uniform_values<T>(rng, p.seq_kv * p.heads_kv * p.head_dim),
+                       v = uniform_values<T>(rng, p.seq_kv * p.heads_kv * p.head_dim);
+  dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+  dev<std::int32_t> dcq(cu_q), dck(cu_kv);
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  const status st = gpu::attend_ragged_cuda<T>(
+      p, ragged_batch{n, dcq.ptr, dck.ptr}, bshd<const T>(dq.ptr, p.q_dims()), bshd<const T>(dk.ptr, p.kv_dims()),
+      bshd<const T>(dv.ptr, p.kv_dims()), bshd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const std::vector<T> o = d_o.get();
+  const std::vector<float> lse = dlse.get();
+  for (index_t b = 0; b < n; ++b) {
+    const index_t q0 = cu_q[std::size_t(b)], nq = nq_of[std::size_t(b)], k0 = cu_kv[std::size_t(b)],
+                  nk = nk_of[std::size_t(b)];
+    if (nq == 0) continue;
+    INFO("sequence " << b << ": " << nq << " rows, " << nk << " keys");
+    problem pb = p;
+    pb.seq_q = nq;
+    pb.seq_kv = nk;
+    const tensor_ref<const T> qa = bshd<const T>(q.data(), p.q_dims()), ka = bshd<const T>(k.data(), p.kv_dims()),
+                              va = bshd<const T>(v.data(), p.kv_dims());
+    const tensor_ref<const T> qb{qa.row(0, 0, q0), pb.q_dims(), qa.stride};
+    const tensor_ref<const T> kb{nk > 0 ? ka.row(0, 0, k0) : k.data(), pb.kv_dims(), ka.stride};
+    const tensor_ref<const T> vb{nk > 0 ? va.row(0, 0, k0) : v.data(), pb.kv_dims(), va.stride};
+    check_sequence<T>(pb, qb, kb, vb, oracle_mask != nullptr ? *oracle_mask : mask, o.data() + q0 * p.heads * p.head_dim,
+                      p.heads * p.head_dim, p.head_dim, lse.data() + q0, p.seq_q);
+  }
+}
+
+/// Uniform floats in [lo, hi).
+std::vector<float> uniform_floats(std::mt19937_64& rng, index_t count, double lo, double hi) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<float> x(static_cast<std::size_t>(count));
+  for (auto& e : x) e = float(u(rng));
+  return x;
+}
+
+/// One set of score modifiers on a causal mask: softcap 0.3 (scaled scores here reach about ±1), ALiBi of the given
+/// alignment, sinks; `slopes` and `sink_logits` in the memory of the call that uses the mask.
+struct mod_set {
+  bool cap, alibi, sinks;
+  align alibi_align;
+  const char* name;
+};
+serving_mask with_mods(causal c, const mod_set& s, const float* slopes, const float* sink_logits) {
+  modified<causal> m{c, {}};
+  if (s.cap) m = m | softcap{0.3f};
+  if (s.alibi) m = m | alibi{slopes, s.alibi_align};
+  if (s.sinks) m = m | sinks{sink_logits};
+  return m;
 }
 
 }  // namespace
@@ -229,63 +301,46 @@ TEMPLATE_TEST_CASE("cuda paged decode matches the float64 oracle", "[gpu][servin
 
 TEMPLATE_TEST_CASE("cuda ragged batches match the float64 oracle", "[gpu][serving]", Eigen::half, Eigen::bfloat16) {
   if (!have_device()) return;
+  for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}}}) {
+    run_ragged<TestType>({1, 1, 1, 1, 1}, {0, 1, 37, 512, 129}, 32, 8, 128, mask);  // decode, one launch
+    run_ragged<TestType>({2, 2, 2}, {5, 300, 2}, 16, 2, 64, mask);  // speculative decode, 16 rows per kv head
+    run_ragged<TestType>({3, 0, 50, 1}, {3, 5, 50, 70}, 8, 2, 128, mask);  // prefill, sequence by sequence
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda paged and ragged calls apply score modifiers like the float64 oracle", "[gpu][serving][modifiers]",
+                   Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
   using T = TestType;
-  struct shape {
-    std::vector<std::int32_t> nq, nk;
-    index_t heads, heads_kv, d;
-  };
-  const std::vector<shape> shapes = {
-      {{1, 1, 1, 1, 1}, {0, 1, 37, 512, 129}, 32, 8, 128},  // decode, one launch
-      {{2, 2, 2}, {5, 300, 2}, 16, 2, 64},                  // speculative decode, 16 rows per kv head
-      {{3, 0, 50, 1}, {3, 5, 50, 70}, 8, 2, 128},           // prefill, sequence by sequence
-  };
-  for (const shape& s : shapes)
-    for (const serving_mask& mask : {serving_mask{dense{}}, serving_mask{causal{align::bottom_right}}}) {
-      const std::uint64_t seed = fresh_seed();
-      std::mt19937_64 rng(seed);
-      const index_t n = static_cast<index_t>(s.nq.size());
-      std::vector<std::int32_t> cu_q(std::size_t(n + 1), 0), cu_kv(std::size_t(n + 1), 0);
-      for (index_t b = 0; b < n; ++b) {
-        cu_q[std::size_t(b + 1)] = cu_q[std::size_t(b)] + s.nq[std::size_t(b)];
-        cu_kv[std::size_t(b + 1)] = cu_kv[std::size_t(b)] + s.nk[std::size_t(b)];
-      }
-      const problem p{1, s.heads, s.heads_kv, cu_q.back(), cu_kv.back(), s.d};
-      INFO(scalar_name<T>() << " sequences " << n << " " << mask_label(mask) << " seed=" << seed);
-      std::uniform_real_distribution<double> u(-1.0, 1.0);
-      auto fill = [&](index_t count) {
-        std::vector<T> x(static_cast<std::size_t>(count));
-        for (auto& e : x) e = T(float(u(rng)));
-        return x;
-      };
-      const std::vector<T> q = fill(p.seq_q * p.heads * p.head_dim), k = fill(p.seq_kv * p.heads_kv * p.head_dim),
-                           v = fill(p.seq_kv * p.heads_kv * p.head_dim);
-      dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
-      dev<std::int32_t> dcq(cu_q), dck(cu_kv);
-      dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
-      const status st = gpu::attend_ragged_cuda<T>(
-          p, ragged_batch{n, dcq.ptr, dck.ptr}, bshd<const T>(dq.ptr, p.q_dims()), bshd<const T>(dk.ptr, p.kv_dims()),
-          bshd<const T>(dv.ptr, p.kv_dims()), bshd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
-      INFO(st.what());
-      REQUIRE(st.ok());
-      const std::vector<T> o = d_o.get();
-      const std::vector<float> lse = dlse.get();
-      for (index_t b = 0; b < n; ++b) {
-        const index_t q0 = cu_q[std::size_t(b)], nq = s.nq[std::size_t(b)], k0 = cu_kv[std::size_t(b)],
-                      nk = s.nk[std::size_t(b)];
-        if (nq == 0) continue;
-        INFO("sequence " << b << ": " << nq << " rows, " << nk << " keys");
-        problem pb = p;
-        pb.seq_q = nq;
-        pb.seq_kv = nk;
-        const tensor_ref<const T> qa = bshd<const T>(q.data(), p.q_dims()), ka = bshd<const T>(k.data(), p.kv_dims()),
-                                  va = bshd<const T>(v.data(), p.kv_dims());
-        const tensor_ref<const T> qb{qa.row(0, 0, q0), pb.q_dims(), qa.stride};
-        const tensor_ref<const T> kb{nk > 0 ? ka.row(0, 0, k0) : k.data(), pb.kv_dims(), ka.stride};
-        const tensor_ref<const T> vb{nk > 0 ? va.row(0, 0, k0) : v.data(), pb.kv_dims(), va.stride};
-        check_sequence<T>(pb, qb, kb, vb, mask, o.data() + q0 * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim,
-                          lse.data() + q0, p.seq_q);
-      }
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  INFO("modifier seed=" << seed);
+  const std::vector<float> slopes = uniform_floats(rng, 32, 0.002, 0.05), sink_logits = uniform_floats(rng, 32, -1.0, 2.0);
+  dev<float> d_slopes(slopes), d_sinks(sink_logits);
+  REQUIRE((d_slopes.ptr && d_sinks.ptr));
+  const mod_set sets[] = {{true, false, false, align::top_left, "softcap"},
+                          {false, true, false, align::bottom_right, "alibi bottom_right"},
+                          {false, true, false, align::top_left, "alibi top_left"},
+                          {false, false, true, align::top_left, "sinks"},
+                          {true, true, true, align::bottom_right, "softcap + alibi + sinks"}};
+  for (const mod_set& set : sets)
+    for (align a : {align::bottom_right, align::top_left}) {
+      INFO(set.name << ", causal " << (a == align::bottom_right ? "bottom_right" : "top_left"));
+      const serving_mask call = with_mods(causal{a}, set, d_slopes.ptr, d_sinks.ptr);
+      const serving_mask oracle = with_mods(causal{a}, set, slopes.data(), sink_logits.data());
+      // Decode, GQA 32/8, pages of 16, tails, a sequence of no keys (O = 0, lse = the sink).
+      run_paged<T>({1, 32, 8, 1, 1, 128}, 16, page_layout::nhd, {1, 17, 300, 0, 1000}, call, &oracle);
+      // Speculative decode: 12 rows per kv head, so a thread's rows g and g + 8 belong to different heads.
+      run_paged<T>({1, 32, 8, 3, 1, 64}, 16, page_layout::hnd, {5, 700, 2, 129}, call, &oracle);
+      // Ragged decode in one launch, and ragged prefill sequence by sequence.
+      run_ragged<T>({1, 1, 1, 1}, {0, 37, 512, 129}, 32, 8, 128, call, &oracle);
+      run_ragged<T>({3, 0, 50, 1}, {3, 5, 50, 70}, 32, 8, 128, call, &oracle);
     }
+  // One long sequence split over many blocks: the sink joins split 0 only and the merge counts it once.
+  const mod_set all = sets[4];
+  const serving_mask call = with_mods(causal{align::bottom_right}, all, d_slopes.ptr, d_sinks.ptr);
+  const serving_mask oracle = with_mods(causal{align::bottom_right}, all, slopes.data(), sink_logits.data());
+  run_paged<T>({1, 32, 8, 1, 1, 128}, 16, page_layout::nhd, {20000, 4099}, call, &oracle);
 }
 
 /// Checks every sequence of a decode_case's O and lse (read back) against the oracle.

@@ -1,8 +1,8 @@
 /// @file decode.cuh
 /// The CUDA decode kernel ("cuda.decode"): a few query rows per kv head (the GQA group's heads × seq_q <= 16) against
 /// a long KV cache read from a strided tensor, a paged cache or a ragged batch: four warps a block stream K/V tiles
-/// through cp.async and mma.sync, keys split over the SMs and merged by lse. Not the prefill kernel (flash.cuh); no
-/// score modifiers yet.
+/// through cp.async and mma.sync, keys split over the SMs and merged by lse. Not the prefill kernel (flash.cuh). Score
+/// modifiers run in a second instantiation (flash.cuh's tile_mods per row, the sink in split 0's epilogue).
 #pragma once
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 #include "../../kernels/mask.hpp"
 #include "device_types.cuh"
 #include "error.cuh"
+#include "flash.cuh"
 #include "mma.cuh"
 #include "scratch.cuh"
 
@@ -76,6 +77,8 @@ struct decode_params {
   index_t chunk = 0;       ///< keys per split
   float* o_part = nullptr;    ///< [split][b][h][i][d], normalised, f32
   float* lse_part = nullptr;  ///< [split][b][h][i]
+  bound_mods mods{};          ///< score modifiers of a sequence of 0 keys (run by decode_kernel<..., true> only)
+  index_t alibi_shift = 0;    ///< ALiBi offset of sequence b: mods.alibi_offset + alibi_shift·len_b
 };
 
 /// The tile geometry of a decode instantiation: 128 threads, four warps that stream keys independently. Each warp
@@ -120,7 +123,9 @@ struct decode_tile {
 /// lse = ln2·(M + log2 L); a row without keys: O = 0, lse = −inf; a NaN l (a NaN logit) gives NaN.
 /// Masked and out-of-range keys get P = 0; keys past the range are zero-filled; a warp tile with a masked key inside
 /// the range runs P·V on CUDA cores and skips P = 0 there (a masked key's inf or NaN in V reaches no output).
-template <class E, class Tile>
+/// `Mods`: allowed scores become tile_mods::apply's S' (row g and g + 8 each with its own head's modifiers), and
+/// split 0 adds the sink to its rows' (m, l) before it writes O and lse (the merge then counts it once).
+template <class E, class Tile, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_params p) {
   constexpr int D = Tile::head_dim, R = Tile::rows, WK = Tile::warp_keys, ST = Tile::stages, W = Tile::warps;
   constexpr int C = Tile::chunks, PITCH = Tile::pitch, PP = Tile::p_pitch, NT = D / 8;
@@ -230,6 +235,16 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
   const int k_lane = ((mi / 2) * 8 + mr) * PITCH + (mi % 2) * 8;
   const int v_lane = ((mi % 2) * 8 + mr) * PITCH + (mi / 2) * 8;
   const index_t i_row[2] = {g % p.seq_q, (g + 8) % p.seq_q};
+  [[maybe_unused]] tile_mods tm[2];
+  if constexpr (Mods) {
+    bound_mods mb = p.mods;
+    mb.alibi_offset += p.alibi_shift * len;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int r = g + 8 * h2;  // padding rows (r >= rows) take the group's first head
+      tm[h2] = tile_mods(mb, h_kv * p.group + (r < p.rows ? r / p.seq_q : 0), p.scale_log2);
+    }
+  }
 
   for (int it = 0; it < my_tiles; ++it) {
     cp_async_wait<ST - 2>();
@@ -259,7 +274,9 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const index_t j = k0 + 8 * n + 2 * qd + (c & 1);
-        s[n][c] = rule.allowed(i_row[c / 2], j) ? s[n][c] * p.scale_log2 : -INFINITY;
+        float sc = s[n][c];
+        if constexpr (Mods) sc = tm[c / 2].apply(sc, int(i_row[c / 2]), int(j));
+        s[n][c] = rule.allowed(i_row[c / 2], j) ? sc * p.scale_log2 : -INFINITY;
         mt[c / 2] = fmaxf(mt[c / 2], s[n][c]);
       }
     float alpha[2];
@@ -370,8 +387,11 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
       l = fmaf(scale, lw, l);
       sum = fmaf(scale, red_s[(w * R + r) * D + c], sum);
     }
-    const float out = l == 0.f ? 0.f : sum / l;  // a NaN l gives NaN
     const int h = h_kv * p.group + r / p.seq_q, i = r % p.seq_q;
+    if constexpr (Mods) {
+      if (split == 0) sum *= add_sink(m, l, p.mods.sink<float>(h) * float(fusedattn::log2e));
+    }
+    const float out = l == 0.f ? 0.f : sum / l;  // a NaN l gives NaN
     const float lse = l == 0.f ? -INFINITY : (m + log2f(l)) * ln2;
     if (p.splits > 1) {
       const index_t row = ((index_t(split) * p.batch + b) * p.heads + h) * p.seq_q + i;
@@ -593,7 +613,7 @@ status launch_decode(const problem& p, decode_params dp, index_t max_keys, cudaS
                               }
                               const dim3 grid(unsigned(p.batch * p.heads_kv), unsigned(splits));
                               // The opt-in beside the launch: each translation unit launches its own copy of the kernel.
-                              const auto kernel = decode_kernel<E, Tile>;
+                              const auto kernel = dp.mods.any() ? decode_kernel<E, Tile, true> : decode_kernel<E, Tile, false>;
                               constexpr int smem = int(Tile::template smem_bytes<E>());
                               if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                                                         "cudaFuncSetAttribute(decode_kernel)");
@@ -708,6 +728,8 @@ void decode_band(BindLen&& bind_len, index_t seq_q, decode_params& dp) {
   dp.shift = hi_b ? (b1.hi - b0.hi) / (seq_q + 1) : lo_b ? (b1.lo - b0.lo) / (seq_q + 1) : 0;
   dp.lo0 = lo_b ? b0.lo : -unb;
   dp.hi0 = hi_b ? b0.hi : unb;
+  dp.mods = b0.mods;
+  dp.alibi_shift = (b1.mods.alibi_offset - b0.mods.alibi_offset) / (seq_q + 1);
 }
 
 }  // namespace cuda_backend

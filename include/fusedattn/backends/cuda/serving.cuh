@@ -46,8 +46,7 @@ inline status table_to_host(const std::int32_t* dev, index_t n, std::vector<std:
 template <class T, class KV, class BindLen>
 status attend_paged(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const KV& kv,
                     const tensor_ref<T>& o, BindLen&& bind_len, float* lse, index_t max_len) {
-  if (status st = detail::mods_unsupported(bind_len(index_t(0)).mods, "cuda.decode"); !st) return st;
-  if (status st = check_device_pointers(q, q, q, o, lse); !st) return st;
+  if (status st = check_device_pointers(q, q, q, o, lse, bind_len(index_t(0)).mods); !st) return st;
   if (status st = check_device_pointer(kv.k, "kv.k"); !st) return st;
   if (status st = check_device_pointer(kv.v, "kv.v"); !st) return st;
   if (status st = decode_applies<T>(p); !st)
@@ -80,9 +79,7 @@ status attend_ragged(const policy::cuda& pol, const problem& p, index_t sequence
                      const std::int32_t* cu_kv, const std::int32_t* dev_cu_kv, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
                      BindLen&& bind_len, float* lse) {
-  if (status st = detail::mods_unsupported(bind_len(index_t(1), index_t(0)).mods, "attend_ragged on policy::cuda"); !st)
-    return st;
-  if (status st = check_device_pointers(q, k, v, o, lse); !st) return st;
+  if (status st = check_device_pointers(q, k, v, o, lse, bind_len(index_t(1), index_t(0)).mods); !st) return st;
   const auto stream = static_cast<cudaStream_t>(pol.stream);
   const index_t n = cu_q[1] - cu_q[0];
   bool uniform = n > 0;
