@@ -684,7 +684,7 @@ status decode_views_fit(const tensor_ref<const T>& q, const tensor_ref<T>& o) {
 }
 
 /// Whether plain attend on policy::cuda runs the decode kernel ("cuda.decode"): policy::cuda{.kernel = automatic},
-/// a band mask without score modifiers, f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, and K and V with the
+/// a band mask (score modifiers included), f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, and K and V with the
 /// same 16-byte aligned strides.
 template <class T, class Mask>
 bool decode_takes(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
@@ -692,7 +692,7 @@ bool decode_takes(const policy::cuda& pol, const problem& p, const tensor_ref<co
   if constexpr (!mask_traits<Mask>::one_segment) {
     return false;
   } else {
-    if (pol.kernel != policy::cuda_kernel::automatic || mods_of(mask).any() || p.seq_q > decode_max_rows) return false;
+    if (pol.kernel != policy::cuda_kernel::automatic || p.seq_q > decode_max_rows) return false;
     if (!decode_applies<T>(p) || !decode_views_fit(q, o)) return false;
     return decode_aligned(k.data, {k.stride.b, k.stride.h, k.stride.s}) &&
            decode_aligned(v.data, {v.stride.b, v.stride.h, v.stride.s}) && k.stride.d == 1 && v.stride.d == 1 &&
@@ -708,6 +708,7 @@ status run_decode(const policy::cuda& pol, const problem& p, const tensor_ref<co
   dp.lo0 = mask.lo;
   dp.hi0 = mask.hi;
   dp.shift = 0;
+  dp.mods = mask.mods;  // bound to this call's seq_q and seq_kv: alibi_shift stays 0
   dp.kv.k = k.data;
   dp.kv.v = v.data;
   dp.kv.batch = k.stride.b;
