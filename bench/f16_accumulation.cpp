@@ -50,7 +50,8 @@ std::vector<double> scores(const std::vector<f16>& q, const std::vector<f16>& k,
         float acc = 0;
         for (int c0 = 0; c0 < d; c0 += chunk) {
           f16 part = 0;
-          for (int c = c0; c < std::min(d, c0 + chunk); ++c) part = f16(std::fma(float(a[c]), float(b[c]), float(part)));
+          for (int c = c0; c < std::min(d, c0 + chunk); ++c)
+            part = f16(std::fma(float(a[c]), float(b[c]), float(part)));
           acc += float(part);
         }
         s[i * keys + j] = acc;
