@@ -300,3 +300,5 @@ struct kernel_shape<Acc, detail::amx_for_bf16> : kernel_shape<Acc, compiled_arch
 
 }  // namespace cpu
 }  // namespace fusedattn
+
+#include "arm_kernels.hpp"  // the Arm bf16 tag (cpu::neon_bf16) and its kernel set, beside these

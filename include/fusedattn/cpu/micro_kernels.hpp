@@ -11,6 +11,7 @@
 #include "../config.hpp"
 #include "../core/types.hpp"
 #include "simd.hpp"
+#include "arm_kernels.hpp"
 #include "x86_kernels.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -111,6 +112,11 @@ inline void qk_tile(const Acc* q, index_t ldq, const Acc* kt, index_t d, index_t
     return x86::qk_tile<Arch>(q, ldq, kt, d, rows, cols, s, lds);
   } else
 #endif
+#if FUSEDATTN_ARM_BF16_KERNELS
+  if constexpr (is_arm_bf16_set_v<Arch>) {
+    return arm::qk_tile(q, ldq, kt, d, rows, cols, s, lds);
+  } else
+#endif
   {
     using shape = kernel_shape<Acc, Arch>;
     constexpr index_t MR = shape::qk_mr, NR = shape::qk_nr, C = shape::cols;
@@ -176,6 +182,11 @@ inline void pv_tile(Acc* p, index_t ldp, const Acc* v, index_t chunk_stride, ind
 #if FUSEDATTN_X86_KERNELS
   if constexpr (is_x86_set_v<Arch>) {
     return x86::pv_tile<Arch>(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
+  } else
+#endif
+#if FUSEDATTN_ARM_BF16_KERNELS
+  if constexpr (is_arm_bf16_set_v<Arch>) {
+    return arm::pv_tile(p, ldp, v, chunk_stride, keys, dp, alpha, acc, lda, rows);
   } else
 #endif
   {

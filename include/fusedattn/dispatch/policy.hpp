@@ -77,6 +77,11 @@ using cpu_auto = cpu<::fusedattn::cpu::best>;
 /// Flash on ARM NEON (AArch64).
 using cpu_neon = cpu<xsimd::neon64>;
 #endif
+/// Flash on Arm's bf16 dot products (cpu/arm_kernels.hpp): Q·Kᵀ and P·V on BFDOT for bf16 storage (f32
+/// accumulation, softmax in f32, P rounded to bf16), the NEON kernels for the other storage types. Compiled where
+/// the program targets FEAT_BF16 (e.g. -march=armv8.6-a); refused (unsupported) elsewhere and where the running
+/// CPU lacks it (Linux: HWCAP2_BF16).
+using cpu_neon_bf16 = cpu<::fusedattn::cpu::neon_bf16>;
 
 /// Which CUDA kernel `policy::cuda` runs.
 enum class cuda_kernel {

@@ -226,6 +226,16 @@ void pack_panel(const KV& kv, const flash_plan& f, index_t seq_kv, index_t b, in
     return;
   }
 #endif
+#if FUSEDATTN_ARM_BF16_KERNELS
+  if constexpr (cpu::is_arm_bf16_set_v<Arch>) {  // the same pair layouts with the NEON blocking (arm_kernels.hpp)
+    cpu::arm::pack_k_pairs([&](index_t j) { return kv.k_row(b, h_kv, k0 + j); }, kn, f.d, kt);
+    for (index_t j = k0; j < k0 + kn; ++j)
+      for (index_t ch = 0; ch < f.v_chunks; ++ch)
+        cpu::arm::pack_v_pair_row(kv.v_row(b, h_kv, j), j + 1 < seq_kv ? kv.v_row(b, h_kv, j + 1) : nullptr,
+                                  ch * f.vw, f.d, v_head + (ch * seq_kv + j) * f.vw);
+    return;
+  }
+#endif
   for (index_t j = 0; j < kn; ++j) {
     const auto* kr = kv.k_row(b, h_kv, k0 + j);
     for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
@@ -346,6 +356,9 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
   }
 #if FUSEDATTN_X86_KERNELS
   if constexpr (cpu::packs_bf16_pairs_v<Arch>) cpu::x86::prepare_q_pairs(sc.q.data(), qn, f.d);  // bf16 pairs
+#endif
+#if FUSEDATTN_ARM_BF16_KERNELS
+  if constexpr (cpu::is_arm_bf16_set_v<Arch>) cpu::arm::prepare_q_pairs(sc.q.data(), qn, f.d);  // bf16 pairs
 #endif
   std::fill(sc.acc.begin(), sc.acc.begin() + qn * f.dp, Acc(0));
   std::fill(sc.m.begin(), sc.m.begin() + qn, neg_inf);
