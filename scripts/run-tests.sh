@@ -10,7 +10,8 @@
 #  5. 60 s of libFuzzer on the attend() harness (in the background, beside stages 6 to 8).
 #  6. fusedattn/dist over MPI: its tests under mpirun on 1, 2 and 3 ranks (oversubscribed), and example 13.
 #  7. the Ascend backend installed against a stand-in CANN toolkit and used through find_package.
-#  8. aarch64: the NEON build of a subset of the CPU tests, cross-compiled and run under qemu-user.
+#  8. aarch64: the NEON build of a subset of the CPU tests and the Arm bf16 (BFDOT) set's tests, cross-compiled and
+#     run under qemu-user.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
@@ -135,15 +136,16 @@ tests/ascend/package/check.sh build/ci-ascend
 #    run under qemu-aarch64 -cpu max, one ctest test per Catch2 test case. Emulation makes the float64 oracle slow:
 #    the cases of arm_skip (the forward oracle sweeps of the other scalar types, and two long cross-checks) are
 #    left out; float, bf16 and the scalar path still meet the oracle, every SIMD path meets the scalar one, and the
-#    backward tests run whole.
-stage "[8] aarch64 under qemu: NEON build of the flash, naive, contract, paged and backward tests"
+#    backward tests run whole. test_arm_bf16 alone targets FEAT_BF16 (-march=armv8.6-a, tests/CMakeLists.txt): the
+#    Arm bf16 kernel set (cpu::neon_bf16, BFDOT) against the oracle, every case (4 s under qemu).
+stage "[8] aarch64 under qemu: NEON build of the flash, naive, contract, paged and backward tests, and the BFDOT set"
 for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
   command -v "$tool" >/dev/null || { echo "stage 8 needs $tool: run scripts/install-deps.sh"; exit 1; }
 done
-arm_tests=(test_flash test_naive test_contract test_paged test_backward)
+arm_tests=(test_flash test_naive test_contract test_paged test_backward test_arm_bf16)
 arm_skip=("flash matches the float64 oracle - (double|Eigen::half)$" "flash agrees with the naive kernel$"
   "flash: decode split matches" "naive matches the float64 oracle - (double|Eigen::half|Eigen::bfloat16)$")
-# Ninja: the five test programs compile side by side (Make's top level builds named targets one after another).
+# Ninja: the six test programs compile side by side (Make's top level builds named targets one after another).
 cmake -S . -B build/ci-arm -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/toolchain-aarch64.cmake -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DFUSEDATTN_NATIVE=OFF -DFUSEDATTN_WITH_CUDA=OFF \
   -DFUSEDATTN_BUILD_BENCH=OFF -DFUSEDATTN_BUILD_EXAMPLES=OFF -DFUSEDATTN_TEST_SPEC='~[.]~[heavy]' >/dev/null
