@@ -592,7 +592,7 @@ int main(int argc, char** argv) {
   const shape main_shapes[] = {{1, 32, 2048, 128, false}, {1, 32, 2048, 128, true},  {2, 16, 8192, 128, false},
                                {2, 16, 8192, 128, true},  {1, 16, 16384, 128, false}, {1, 16, 16384, 128, true},
                                {4, 32, 4096, 64, false},  {4, 32, 4096, 64, true},    {1, 32, 1024, 128, false},
-                               // the rest of the seed leaderboard's shapes (Ascend 910B, Tesla T4 in docs/PERFORMANCE.md)
+                               // the rest of the seed leaderboard's shapes
                                {1, 1, 4096, 64, false},   {1, 32, 512, 64, false},
                                // head_dim 256 (the Hopper kernel's widest head)
                                {4, 16, 4096, 256, false}, {4, 16, 4096, 256, true},

@@ -15,8 +15,8 @@
 ///                              (while P_{j-1}·V_{j-1} still runs on the tensor cores)
 ///   O *= α = exp(m_{j-1} − m_j) once P_{j-1}·V_{j-1} is done
 /// so the softmax of one tile may overlap the P·V product of the previous one (in the SASS of CUDA 13.0, ptxas puts
-/// the wait for that product before the softmax; docs/design.md, "Instruction budget"). Shared tiles are 128-byte
-/// swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
+/// the wait for that product before the softmax; docs/design.md, "CUDA", the Hopper flash kernel). Shared tiles are
+/// 128-byte swizzled atoms (wgmma.cuh); TMA brings the tiles in (tma.cuh; two K and two V buffers, an mbarrier each).
 /// Exponentials are base 2 with scale·log2(e) folded in, as in flash.cuh. Two kernels run these steps:
 ///   flash_hopper_ws_kernel (tiles of one block per SM: head_dim 128, 192 and 256 and those padded to them, and 64 where
 ///     every q-block sees every key — no mask, decode: hopper_whole_row_tile; and hopper_turns_tile, unmasked or causal calls of many
