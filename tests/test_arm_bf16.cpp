@@ -2,7 +2,8 @@
 // against the float64 oracle with the low-precision rule (support/lowp_check.hpp: error <= 2x the worst plain
 // f32-accumulating implementation on the same bf16 inputs, with P in f32 or rounded to bf16). Built for AArch64
 // with FEAT_BF16 in the target (tests/CMakeLists.txt adds -march=armv8.6-a for this program) and run under
-// qemu-aarch64 -cpu max in CI; elsewhere its one case says why it skips.
+// qemu-aarch64 -cpu max in CI, and its [arm_bf16_absent] case once more under -cpu neoverse-n1 (no BF16); elsewhere
+// its one case says why it skips.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -183,6 +184,51 @@ TEST_CASE("arm bf16: other storage types under cpu_neon_bf16 run the NEON kernel
     const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
     check_lowp_rule(c.o.view, lse, exact, plain, lse_floor);
   }
+}
+
+TEST_CASE("arm bf16: cpu::best (policy::cpu_auto) takes the Arm bf16 set where the CPU has FEAT_BF16", "[arm_bf16]") {
+  const problem p{1, 4, 2, 33, 52, 40};
+  std::mt19937_64 rng(fresh_seed());
+  attention_case<bf16> c(p, layout::bhsd, rng);
+  const kernel_plan pl = plan(policy::cpu_auto{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, dense{});
+  INFO("plan: " << to_string(pl));
+  REQUIRE(pl.st.ok());
+  CHECK(pl.kernel == "cpu.flash<neon_bf16>");
+  for (const any_mask& mask : band_masks()) {
+    const std::uint64_t seed = fresh_seed();
+    CAPTURE(seed, describe(mask));
+    std::mt19937_64 r(seed);
+    attention_case<bf16> b(p, layout::bshd, r);
+    std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
+    REQUIRE(attend(policy::cpu_auto{3}, p, b.q.cview(), b.k.cview(), b.v.cview(), b.o.view, mask, lse.data()).ok());
+    check_call(p, b, bind_band(mask, p), lse);
+  }
+}
+
+TEST_CASE("arm bf16: on a CPU without FEAT_BF16 cpu_neon_bf16 is refused, nothing written, and cpu_auto runs NEON",
+          "[arm_bf16_absent]") {
+  // CI runs this case under qemu-aarch64 -cpu neoverse-n1 (Armv8.2, no BF16): the binary targets FEAT_BF16, and the
+  // run-time check (HWCAP2_BF16) keeps the BFDOT code from running there.
+  if (cpu::neon_bf16::available()) {
+    WARN("skipped: this CPU has FEAT_BF16 (run under qemu-aarch64 -cpu neoverse-n1 to check the refusal)");
+    return;
+  }
+  CHECK_FALSE(cpu::arm_cpu_has_bf16());
+  const problem p{1, 2, 1, 19, 23, 13};
+  std::mt19937_64 rng(fresh_seed());
+  attention_case<bf16> c(p, layout::bhsd, rng);
+  const std::vector<bf16> before = c.o.buf;
+  const status st = attend(policy::cpu_neon_bf16{1}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, causal{});
+  CHECK(st.code() == errc::unsupported);
+  CHECK(std::string(st.what()).find("neon_bf16") != std::string::npos);
+  CHECK(unchanged(c.o.buf, before));
+  const kernel_plan pl = plan(policy::cpu_auto{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, causal{});
+  INFO("plan: " << to_string(pl));
+  REQUIRE(pl.st.ok());
+  CHECK(pl.kernel == std::string("cpu.flash<") + cpu::compiled_arch::name() + ">");
+  std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
+  REQUIRE(attend(policy::cpu_auto{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, causal{}, lse.data()).ok());
+  check_call(p, c, bind_band(causal{}, p), lse);
 }
 
 TEST_CASE("arm bf16: bad input is refused with a status naming the field, nothing written", "[arm_bf16]") {

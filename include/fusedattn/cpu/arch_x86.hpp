@@ -143,8 +143,9 @@ status arch_status() {
 
 /// The best kernel set the running CPU supports, chosen at run time per call (cpu::with_best_arch in
 /// x86_kernels.hpp): amx where the CPU has it (for all-bf16 storage; other storage on the AVX-512 f32 kernels),
-/// else avx512bf16 where its vdpbf16ps outruns the FMAs, else avx512, else the compiled xsimd arch
-/// (compiled_arch) when the CPU has it, else the portable scalar path. fa::plan names the arch chosen. Parts
+/// else avx512bf16 where its vdpbf16ps outruns the FMAs, else avx512; on AArch64 built for FEAT_BF16, neon_bf16
+/// where the CPU has it (arm_kernels.hpp); else the compiled xsimd arch (compiled_arch) when the CPU has it, else
+/// the portable scalar path. fa::plan names the arch chosen. Parts
 /// without kernels of their own for the tags (backward, f64) run on compiled_arch.
 struct best {
   static constexpr bool runtime_checked = true;

@@ -630,8 +630,9 @@ namespace cpu {
 /// Calls f(arch) with the tag of the best kernel set the running CPU supports (cpu::best's choice) and returns
 /// what f returns: amx where the CPU has AMX-BF16 and the OS grants the tile permission (all-bf16 storage on the
 /// tiles, every other storage type on avx512's kernels: detail::amx_for_bf16), else avx512bf16 where vdpbf16ps
-/// outruns the FMAs (x86::bf16_dot_pays), else avx512 (bf16 and f16 widened to f32), else compiled_arch where the
-/// CPU has it, else scalar_arch.
+/// outruns the FMAs (x86::bf16_dot_pays), else avx512 (bf16 and f16 widened to f32); on AArch64 built for FEAT_BF16,
+/// neon_bf16 where the CPU has it (arm_kernels.hpp: BFDOT for bf16 storage, NEON for the rest); else compiled_arch
+/// where the CPU has it, else scalar_arch.
 template <class F>
 decltype(auto) with_best_arch(F&& f) {
 #if FUSEDATTN_X86_KERNELS
@@ -640,6 +641,9 @@ decltype(auto) with_best_arch(F&& f) {
 #endif
   if (avx512bf16::available() && x86::bf16_dot_pays()) return f(avx512bf16{});
   if (avx512::available()) return f(avx512{});
+#endif
+#if FUSEDATTN_ARM_BF16_KERNELS
+  if (neon_bf16::available()) return f(neon_bf16{});
 #endif
   if (xsimd::available_architectures().best >= compiled_arch::version()) return f(compiled_arch{});
   return f(scalar_arch{});
