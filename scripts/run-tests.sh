@@ -137,7 +137,8 @@ tests/ascend/package/check.sh build/ci-ascend
 #    the cases of arm_skip (the forward oracle sweeps of the other scalar types, and two long cross-checks) are
 #    left out; float, bf16 and the scalar path still meet the oracle, every SIMD path meets the scalar one, and the
 #    backward tests run whole. test_arm_bf16 alone targets FEAT_BF16 (-march=armv8.6-a, tests/CMakeLists.txt): the
-#    Arm bf16 kernel set (cpu::neon_bf16, BFDOT) against the oracle, every case (4 s under qemu).
+#    Arm bf16 kernel set (cpu::neon_bf16, BFDOT) against the oracle, every case (4 s under qemu), and its run-time
+#    check once more under -cpu neoverse-n1 (no BF16).
 stage "[8] aarch64 under qemu: NEON build of the flash, naive, contract, paged and backward tests, and the BFDOT set"
 for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
   command -v "$tool" >/dev/null || { echo "stage 8 needs $tool: run scripts/install-deps.sh"; exit 1; }
@@ -152,6 +153,9 @@ cmake -S . -B build/ci-arm -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/toolchain-aarch
 cmake --build build/ci-arm -j"$jobs" --target "${arm_tests[@]}"
 ctest --test-dir build/ci-arm -j"$jobs" --timeout 600 -R "^($(IFS='|'; echo "${arm_tests[*]}")):" \
   -E "$(IFS='|'; echo "${arm_skip[*]}")"
+# The run-time check: on an Armv8.2 CPU without FEAT_BF16 the BFDOT program still runs, cpu_neon_bf16 is refused
+# (nothing written) and cpu_auto takes NEON (test_arm_bf16's [arm_bf16_absent] case; it skips under -cpu max).
+qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu neoverse-n1 build/ci-arm/tests/test_arm_bf16 "[arm_bf16_absent]"
 stage "[5] fuzz: waiting for the background stage (build/ci-fuzz.log)"
 fuzz_rc=0
 wait "$fuzz_pid" || fuzz_rc=$?
