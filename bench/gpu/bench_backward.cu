@@ -1,6 +1,7 @@
 // Times attend_backward on policy::cuda (bf16; B·H = 16·16; S 1024-8192; head_dim 64 and 128; dense and causal) and
-// prints one JSON line per shape: TFLOP/s by 10·B·H·S²·D (halved for causal). bench/gpu/bench_backward_torch.py
-// times PyTorch SDPA's backward (flash and cuDNN) on the same shapes. Usage: fusedattn_bench_backward [reps].
+// prints one JSON line per shape: TFLOP/s by 10·B·H·S²·D (halved for causal). `bench/peers/torch_peer.py --device
+// cuda --backward --filter _bwd/ --iters REPS` times PyTorch SDPA's backward (flash and cuDNN) on the same shapes, its
+// rows carrying these keys too. Usage: fusedattn_bench_backward [reps].
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -3,7 +3,8 @@
 // and paged caches of 16 and 64 tokens a page in vLLM's layout with shuffled block tables (attend_paged). Each call
 // reads another copy of the cache (copies spanning at least 1 GiB) so that L2 holds none of it. One line per row:
 //   decode/bf16/<contig|paged16|paged64>/b{B}_h32_hkv8_skv{S}_d128  <µs per call>  <GB/s>
-// bench_decode_torch.py times PyTorch's SDPA (cuDNN, flash) on the same shapes and prints the same kind of lines.
+// `bench/peers/torch_peer.py --device cuda --decode` times PyTorch's SDPA (cuDNN, flash) on the same shapes, in the
+// same way, as rows decode/bf16/torch_<cudnn|flash>/... (fusedattn-bench's JSON schema, with GB/s).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

@@ -4,7 +4,9 @@ format with the same counters), so bench/compare.py, bench/plot.py and bench/gpu
 
     python3 bench/peers/torch_peer.py [--device cpu|cuda|all] [--suite bench|gpu|gpu-d64|gpu-d96|gpu-dims] [--full]
         [--backends flash,efficient,cudnn,flex] [--flex-budget SECONDS] [--min-time SECONDS] [--repetitions N]
-        [--threads N] [--cpu-types f32,f16,bf16] [--backward] [--filter REGEX] [--out FILE]
+        [--threads N] [--cpu-types f32,f16,bf16] [--backward [--iters N]] [--filter REGEX] [--out FILE]
+    python3 bench/peers/torch_peer.py --device cuda --decode [--iters N] [--filter REGEX] [--out FILE]
+    python3 bench/peers/torch_peer.py (--decode | --backward) --list [--device cpu|cuda|all] [--filter REGEX]
     python3 bench/peers/torch_peer.py --block-sparse DIR [--ours FUSEDATTN.jsonl] [--out FILE]
     python3 bench/peers/torch_peer.py --interleave PATH/fusedattn-tile-sweep [--rounds N] [--shapes "B,H,S,D;..."]
         [--thread-counts 1,16] [--min-time SECONDS] [--repetitions N] [--out FILE]
@@ -15,13 +17,27 @@ Modes:
                  (f32 with 1 and all threads, f16 with all threads; --full: every combination) and on CUDA (f16;
                  --full adds f32 and the math backend). `--suite gpu`: the shapes of bench/gpu/bench_attention.cu
                  (f16 and bf16, dense and causal); `gpu-d64` its unmasked head_dim 64 sweep, `gpu-d96` its head_dim 96
-                 rows, `gpu-dims` bench/gpu/ab_flash.cu's `dims` shapes (head_dims between the tile widths). --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
+                 rows, `gpu-dims` bench/gpu/ab_flash.cu's `dims` shapes (head_dims between the tile widths).
+                 --flex-budget caps the seconds spent on FlexAttention (it compiles per shape and mask).
                  --cpu-types: the CPU rows' storage types (default f32,f16; the first gets 1 and all threads, the
                  others all threads; bf16 rows sit beside fusedattn-bench's flash/bf16 and flash_amx/bf16 rows).
-                 --backward adds CPU SDPA's backward (f32, dense and causal, 1 and all threads) on the shapes of
-                 fusedattn-bench's flash_bwd rows: `peer_torch_sdpa_cpu_bwd/...`, the time of
-                 torch.autograd.grad(O, (Q, K, V), dO) on a kept graph (the forward not timed), FLOPs 10·b·h·s²·d
-                 × the allowed fraction as the flash_bwd rows count them.
+                 --backward adds SDPA's backward, the time of torch.autograd.grad(O, (Q, K, V), dO) on a graph
+                 kept from one forward (the forward not timed), FLOPs 10·b·h·s²·d × the counted fraction. CPU: f32,
+                 dense and causal, 1 and all threads, on the shapes of fusedattn-bench's flash_bwd rows
+                 (`peer_torch_sdpa_cpu_bwd/...`, causal counting the allowed entries as flash_bwd does). CUDA: the
+                 shapes of bench/gpu/bench_backward.cu (bf16, B·H = 16·16, S 1024-8192, head_dim 64 and 128, dense
+                 and causal), `peer_torch_flash_bwd/...` and `peer_torch_cudnn_bwd/...` (the backend forced for the
+                 forward whose graph is timed), counted and timed as bench_backward does (causal halves the count;
+                 the mean of --iters calls between two events), with its JSON keys too (impl sdpa_flash /
+                 sdpa_cudnn, batch, heads, seq, head_dim, causal, ms, tflops). --filter _bwd/ keeps only the
+                 backward rows.
+  --decode       CUDA SDPA (cuDNN and flash backends, enable_gqa) on bench/gpu/bench_decode.cu's GQA decode shapes:
+                 bf16, 32 query / 8 kv heads, head_dim 128, one query row, batch 1, 8, 64 x S_kv 4096, 32768, 131072.
+                 Rows `decode/bf16/torch_<cudnn|flash>/b{B}_h32_hkv8_skv{S}_d128`, named as bench_decode's
+                 `decode/bf16/<contig|paged16|paged64>/...` lines; bytes = the K and V one call reads, GB/s their
+                 rate. Each call reads another copy of K/V (the copies spanning at least 1 GiB); the time is the mean
+                 of --iters calls (default 20) queued between two events, as bench_decode times.
+  --list         with --decode or --backward: the rows' names and counts (decode: K/V bytes and copies), nothing run.
   --block-sparse FlexAttention's block-sparse speed-up on the layouts `bench_gpu OUT.jsonl peer DIR` writes
                  (layout_4096.txt, layout_10000.txt: B 1, H 16, D 128, f16, 128 x 512 blocks, sparsity 0.9), beside
                  dense SDPA (flash, cuDNN) and dense FlexAttention, then the dense kernels on (10,16,1024,128): 1280
@@ -35,26 +51,33 @@ Modes:
                  side's median over the rounds; the torch row also the per-round ratios torch / ours
                  (ratio_median, ratio_min, ratio_max: above 1 means fusedattn is faster).
 
-Rows: name `KERNEL/DTYPE/MASK/bB_hH_sS_dD[/threads:T]`, label "DTYPE MASK", counters b h h_kv s_q s_kv d threads
-density flop bytes bytes_min FLOP/s B/s max_err. Kernels: peer_torch_sdpa_cpu (CPU SDPA under
-torch.set_num_threads(T)), peer_torch_flash / peer_torch_efficient / peer_torch_cudnn / peer_torch_math (CUDA SDPA
-restricted to one backend by sdpa_kernel), peer_torch_flex (torch.compile(flex_attention); causal and block-sparse
-through a BlockMask). Causal is PyTorch's is_causal (top-left), like the bench's `causal`; FLOPs count the allowed
-score entries (density). `bytes` is the compulsory traffic (Q, K, V, O once): a foreign kernel's modelled traffic
-is not known.
+Rows: name `KERNEL/DTYPE/MASK/bB_hH_sS_dD[/threads:T]` (decode: bench_decode's names), label "DTYPE MASK",
+counters b h h_kv s_q s_kv d threads density flop bytes bytes_min FLOP/s B/s max_err (decode rows also GB/s).
+Kernels: peer_torch_sdpa_cpu (CPU SDPA under torch.set_num_threads(T)), peer_torch_flash / peer_torch_efficient /
+peer_torch_cudnn / peer_torch_math (CUDA SDPA restricted to one backend by sdpa_kernel), peer_torch_flex
+(torch.compile(flex_attention); causal and block-sparse through a BlockMask); a `_bwd` suffix for the backward.
+Causal is PyTorch's is_causal (top-left), like the bench's `causal`; FLOPs count the allowed score entries
+(density). `bytes` is the compulsory traffic (Q, K, V, O once; decode: K and V): a foreign kernel's modelled
+traffic is not known.
 
 Every row is checked before it is timed: up to 256 query rows of batch 0, head 0 against a float64
-softmax(scale·QKᵀ + mask)·V on the CPU; a row whose error exceeds its type's tolerance is written as an error row
-(error_occurred and the message), never timed. A backend that refuses a shape (flash with f32, an old GPU) is
-skipped with a note on stderr. CPU times are wall clock per call, the median of --repetitions runs of a call count
-calibrated to --min-time; CUDA times are CUDA events around one call, the median of 10 to 100 calls (until 300 ms),
-cycling through enough input sets that a pass over them exceeds the L2 several times.
+softmax(scale·QKᵀ + mask)·V on the CPU (backward rows: dQ, dK, dV of batch 0, head 0 against float64 autograd, the
+error relative to each gradient's largest entry; decode rows: every head's query row of batch 0, relative to the
+output's largest entry); a row whose error exceeds its type's tolerance is written as an error row (error_occurred
+and the message), never timed. A backend that refuses a shape (flash with f32, an old GPU) is skipped with a note
+on stderr. CPU times are wall clock per call, the median of --repetitions runs of a call count calibrated to
+--min-time; CUDA times are CUDA events around one call, the median of 10 to 100 calls (until 300 ms), cycling
+through enough input sets that a pass over them exceeds the L2 several times (--decode and the CUDA backward rows:
+the mean of --iters queued calls).
 
-Needs torch >= 2.3 (torch.nn.attention.sdpa_kernel); FlexAttention needs torch >= 2.5 and is skipped without it.
+Needs torch >= 2.3 (torch.nn.attention.sdpa_kernel); FlexAttention and --decode (enable_gqa) need torch >= 2.5;
+FlexAttention is skipped without it. --list runs on any torch.
 """
 
 import argparse
+import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -87,6 +110,12 @@ GPU_D64_SHAPES = [(8, 32, 512, 64, False), (8, 32, 1024, 64, False), (4, 32, 204
 # fusedattn-bench's flash_bwd shapes (bench/rows_backward.cpp).
 BACKWARD = [(1, 8, 1024, 64), (1, 4, 2048, 64), (1, 2, 4096, 64), (1, 8, 1024, 128), (1, 4, 2048, 128),
             (1, 2, 4096, 128)]
+# bench/gpu/bench_backward.cu's shapes: (B, H), head_dims, sequence lengths (bf16, dense and causal).
+CUDA_BACKWARD_BH, CUDA_BACKWARD_DIMS, CUDA_BACKWARD_SEQS = (16, 16), (64, 128), (1024, 2048, 4096, 8192)
+# bench/gpu/bench_decode.cu's shapes: GQA decode, bf16, one query row, batch x S_kv, 32 query / 8 kv heads, D 128.
+DECODE_BATCHES, DECODE_SEQS = (1, 8, 64), (4096, 32768, 131072)
+DECODE_HEADS, DECODE_HEADS_KV, DECODE_D = 32, 8, 128
+DECODE_SPAN = 1 << 30  # bytes the K/V copies span at least: each call reads another copy, so L2 holds none of it
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Largest |error| against the float64 reference accepted per storage type (inputs uniform in [-1, 1)).
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
@@ -115,16 +144,31 @@ def causal_fraction(s_q, s_kv):
     return sum(min(i + 1, s_kv) for i in range(s_q)) / float(s_q * s_kv)
 
 
-def bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, max_err, **extra):
-    """One row of fusedattn-bench's schema: time per call in microseconds, the bench's counters."""
-    b, h, s, d = shape
-    flop = 4.0 * b * h * s * s * d * density
-    bytes_min = torch.tensor([], dtype=DTYPES[dtype]).element_size() * 4.0 * b * h * s * d
+def dims(shape):
+    """(b, h, h_kv, s_q, s_kv, d) of a square shape (b, h, s, d) or of a full one (b, h, h_kv, s_q, s_kv, d)."""
+    if len(shape) == 4:
+        b, h, s, d = shape
+        return b, h, h, s, s, d
+    return tuple(shape)
+
+
+def bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, max_err, flop=None, traffic=None,
+              **extra):
+    """One row of fusedattn-bench's schema: time per call in microseconds, the bench's counters. `flop` replaces the
+    forward count 4·b·h·s_q·s_kv·d·density (the backward rows count 10·...); `traffic` replaces `bytes` and
+    `bytes_min` (the decode rows count the K and V read, as fusedattn-bench's decode rows do) and adds GB/s."""
+    b, h, h_kv, s_q, s_kv, d = dims(shape)
+    if flop is None:
+        flop = 4.0 * b * h * s_q * s_kv * d * density
+    bytes_min = traffic if traffic is not None else \
+        torch.tensor([], dtype=DTYPES[dtype]).element_size() * 2.0 * (b * h * s_q * d + b * h_kv * s_kv * d)
     row = {"name": name, "run_name": name, "run_type": "iteration", "repetitions": 1, "repetition_index": 0,
            "threads": threads, "iterations": iterations, "real_time": seconds * 1e6, "cpu_time": seconds * 1e6,
-           "time_unit": "us", "b": b, "h": h, "h_kv": h, "s_q": s, "s_kv": s, "d": d, "density": density,
+           "time_unit": "us", "b": b, "h": h, "h_kv": h_kv, "s_q": s_q, "s_kv": s_kv, "d": d, "density": density,
            "flop": flop, "bytes": bytes_min, "bytes_min": bytes_min, "FLOP/s": flop / seconds,
            "B/s": bytes_min / seconds, "label": "%s %s" % (dtype, mask)}
+    if traffic is not None:
+        row["GB/s"] = round(traffic / seconds * 1e-9, 1)
     if max_err is not None:
         row["max_err"] = max_err
     row.update(extra)
@@ -132,11 +176,20 @@ def bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, m
 
 
 def error_row(name, shape, dtype, mask, threads, message):
-    b, h, s, d = shape
+    b, h, h_kv, s_q, s_kv, d = dims(shape)
     return {"name": name, "run_name": name, "run_type": "iteration", "repetitions": 1, "repetition_index": 0,
             "threads": threads, "iterations": 0, "real_time": 0, "cpu_time": 0, "time_unit": "us",
-            "error_occurred": True, "error_message": message, "b": b, "h": h, "h_kv": h, "s_q": s, "s_kv": s,
-            "d": d, "label": "%s %s" % (dtype, mask)}
+            "error_occurred": True, "error_message": message, "b": b, "h": h, "h_kv": h_kv, "s_q": s_q,
+            "s_kv": s_kv, "d": d, "label": "%s %s" % (dtype, mask)}
+
+
+def rate(row):
+    """The row's figure of merit for the progress lines: GB/s for memory-bound rows, else GFLOP/s or TFLOP/s."""
+    if "GB/s" in row:
+        return "%8.1f GB/s" % row["GB/s"]
+    if row["FLOP/s"] >= 1e12:
+        return "%8.1f TFLOP/s" % (row["FLOP/s"] * 1e-12)
+    return "%8.1f GFLOP/s" % (row["FLOP/s"] * 1e-9)
 
 
 class Output:
@@ -241,26 +294,50 @@ def time_cuda_queued(fn, sets, calls=QUEUED_CALLS):
     return statistics.median(times) * 1e-3
 
 
+def time_cuda_mean(fn, sets, iters, warmup):
+    """(mean seconds of one call, iters): `warmup` calls, then `iters` calls queued between two CUDA events, call i
+    on input set i % sets (bench/gpu/bench_decode.cu's and bench_backward.cu's timing)."""
+    for i in range(warmup):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        fn(i % sets)
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e-3 / iters, iters
+
+
 # ------------------------------------------------------------------------------------------------------ checking
 
-def max_error(out, q, k, v, allowed=None, causal=False):
-    """Largest |out − reference| over up to CHECK_ROWS query rows of batch 0, head 0; the reference is
-    softmax(QKᵀ/√d + mask)·V in float64 on the CPU. `allowed(rows, s_kv)` gives a boolean [rows, s_kv] mask."""
+def max_error(out, q, k, v, allowed=None, causal=False, relative=False, heads=1):
+    """Largest |out − reference| over up to CHECK_ROWS query rows of batch 0, query heads [0, heads) (each against
+    its kv head, h / h_kv query heads a kv head); the reference is softmax(QKᵀ/√d + mask)·V in float64 on the CPU.
+    `allowed(rows, s_kv)` gives a boolean [rows, s_kv] mask. relative: divided by the reference's largest |entry| (a
+    row over thousands of keys averages V to near 0)."""
     n = min(CHECK_ROWS, q.shape[-2])
-    q0 = q[0, 0, :n].detach().to("cpu", torch.float64)
-    k0, v0 = (x[0, 0].detach().to("cpu", torch.float64) for x in (k, v))
-    s = q0 @ k0.T / math.sqrt(q0.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    if allowed is not None:
-        s = s.masked_fill(~allowed(n, k0.shape[0]), float("-inf"))
-    ref = torch.softmax(s, dim=-1) @ v0
-    return float((out[0, 0, :n].to("cpu", torch.float64) - ref).abs().max())
+    group = q.shape[1] // k.shape[1]
+    err, top = 0.0, 0.0
+    for head in range(heads):
+        if head % group == 0:
+            k0, v0 = (x[0, head // group].detach().to("cpu", torch.float64) for x in (k, v))
+        q0 = q[0, head, :n].detach().to("cpu", torch.float64)
+        s = q0 @ k0.T / math.sqrt(q0.shape[-1])
+        if causal:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        if allowed is not None:
+            s = s.masked_fill(~allowed(n, k0.shape[0]), float("-inf"))
+        ref = torch.softmax(s, dim=-1) @ v0
+        err = max(err, float((out[0, head, :n].to("cpu", torch.float64) - ref).abs().max()))
+        top = max(top, float(ref.abs().max()))
+    return err / top if relative else err
 
 
 def checked_row(name, attend, qkv_sets, shape, dtype, mask, threads, density, device, args, allowed=None,
-                queued=False, **extra):
-    """Checks one call against float64, then times it; returns a row, an error row, or None (backend refused)."""
+                queued=False, timer=None, relative=False, heads=1, **extra):
+    """Checks one call against float64 (max_error), then times it; returns a row, an error row, or None (backend
+    refused). `timer(fn, sets)` replaces the CUDA timing (fn(i) calls on input set i)."""
     causal = mask == "causal"
     q, k, v = qkv_sets[0]
     try:
@@ -268,32 +345,34 @@ def checked_row(name, attend, qkv_sets, shape, dtype, mask, threads, density, de
     except Exception as e:  # noqa: BLE001 - the backend does not take this dtype / shape / GPU, or cannot compile
         note("%s skipped: %s" % (name, (str(e).splitlines() or [type(e).__name__])[0]))
         return None
-    err = max_error(out, q, k, v, allowed, causal)
+    err = max_error(out, q, k, v, allowed, causal, relative, heads)
     del out
     if not err <= TOLERANCE[dtype]:
-        return error_row(name, shape, dtype, mask, threads,
-                         "max error %.3g against float64 exceeds %.3g" % (err, TOLERANCE[dtype]))
+        return error_row(name, shape, dtype, mask, threads, "max error %.3g%s against float64 exceeds %.3g" % (
+            err, " (relative to the largest entry)" if relative else "", TOLERANCE[dtype]))
     sets = len(qkv_sets)
     if device == "cuda":
-        seconds, iterations = time_cuda(lambda i: attend(*qkv_sets[i]), sets)
+        seconds, iterations = (timer or time_cuda)(lambda i: attend(*qkv_sets[i]), sets)
         if queued:
             extra["queued_real_time"] = time_cuda_queued(lambda i: attend(*qkv_sets[i]), sets) * 1e6
     else:
         seconds, iterations = time_cpu(lambda: attend(q, k, v), args.min_time, args.repetitions)
-    note("%-64s %12.1f us  max_err %.2g" % (name, seconds * 1e6, err))
-    return bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, err, **extra)
+    row = bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, err, **extra)
+    note("%-64s %12.1f us %s  max_err %.2g" % (name, seconds * 1e6, rate(row), err))
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------- the calls
 
-def sdpa_with(backend, causal):
-    """attend(q, k, v) restricted to one SDPA backend."""
+def sdpa_with(backend, causal, gqa=False):
+    """attend(q, k, v) restricted to one SDPA backend; gqa: K and V hold fewer heads than Q (enable_gqa)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
+    kwargs = {"enable_gqa": True} if gqa else {}
 
     def attend(q, k, v):
         with sdpa_kernel([chosen]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
     return attend
 
 
@@ -388,13 +467,14 @@ def run_suite(args, out):
                                     "cpu", args))
 
     if want_cpu and args.backward:
-        run_cpu_backward(args, out, keep)
+        run_backward(args, out, keep, "cpu")
 
     if want_cuda:
         backends = [b for b in args.backends.split(",") if b]
         if args.full and args.suite == "bench" and "math" not in backends:
             backends.append("math")
-        flex = make_flex() if "flex" in backends else None
+        flex = make_flex() if "flex" in backends and any(
+            keep.search("peer_torch_flex/%s/%s/%s" % (t, m, shape_name(*sh))) for sh, t, m in gpu_rows(args)) else None
         flex_seconds = 0.0
         with torch.inference_mode():
             for shape, dtype, mask in gpu_rows(args):
@@ -422,43 +502,180 @@ def run_suite(args, out):
                         flex_seconds += time.time() - t0
                 del qkv
                 torch.cuda.empty_cache()
+        if args.backward:
+            run_backward(args, out, keep, "cuda")
 
 
-def run_cpu_backward(args, out, keep):
-    """CPU SDPA's backward on the flash_bwd shapes: f32, dense and causal, 1 and all threads. The gradients are
-    checked first (dV of batch 0, head 0 against float64 autograd of the same inputs); the timed call is
-    torch.autograd.grad on a graph kept from one forward."""
-    for shape in BACKWARD:
+# ------------------------------------------------------------------------------------------- the backward rows
+
+def backward_rows(args, device):
+    """(name, shape, dtype, mask, threads, backend) of the backward rows on `device`. CPU: fusedattn-bench's flash_bwd
+    shapes, f32, dense and causal, 1 and all threads, SDPA's CPU kernel. CUDA: bench/gpu/bench_backward.cu's shapes,
+    bf16, dense and causal, SDPA forced to its flash and to its cuDNN backend."""
+    rows = []
+    if device == "cpu":
+        for shape in BACKWARD:
+            for mask in ("dense", "causal"):
+                for threads in sorted({1, args.threads}):
+                    rows.append(("peer_torch_sdpa_cpu_bwd/f32/%s/%s/threads:%d" % (mask, shape_name(*shape), threads),
+                                 shape, "f32", mask, threads, None))
+        return rows
+    b, h = CUDA_BACKWARD_BH
+    for d in CUDA_BACKWARD_DIMS:
+        for s in CUDA_BACKWARD_SEQS:
+            for mask in ("dense", "causal"):
+                for backend in ("flash", "cudnn"):
+                    rows.append(("peer_torch_%s_bwd/bf16/%s/%s" % (backend, mask, shape_name(b, h, s, d)),
+                                 (b, h, s, d), "bf16", mask, 1, backend))
+    return rows
+
+
+def backward_density(device, mask, s):
+    """The counted fraction of score entries: fusedattn-bench's flash_bwd rows count the entries a top-left causal
+    mask allows, bench_backward.cu halves the dense count."""
+    if mask != "causal":
+        return 1.0
+    return causal_fraction(s, s) if device == "cpu" else 0.5
+
+
+def uniform(shape, dtype, device, gen):
+    return torch.empty(*shape, dtype=DTYPES[dtype], device=device).uniform_(-1, 1, generator=gen)
+
+
+def grad_error(q, k, v, d_o, grads, causal):
+    """Largest |gradient − reference| / max |reference| over dQ, dK and dV of batch 0, head 0 (relative to each
+    gradient's largest entry: with inputs in [-1, 1) a dense row's gradients stay near 1/√S, below any absolute
+    tolerance); the reference is float64 autograd through softmax(QKᵀ/√d + top-left causal mask)·V of the same
+    inputs, on their device."""
+    q0, k0, v0 = (x[0, 0].detach().double().requires_grad_(True) for x in (q, k, v))
+    s = q0 @ k0.T / math.sqrt(q0.shape[-1])
+    if causal:
+        rows = torch.arange(s.shape[0], device=s.device)
+        cols = torch.arange(s.shape[1], device=s.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    ref = torch.autograd.grad(torch.softmax(s, dim=-1) @ v0, (q0, k0, v0), d_o[0, 0].double())
+    return max(float((g[0, 0].double() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
+
+
+def run_backward(args, out, keep, device):
+    """SDPA's backward rows. Per row one forward (under the forced backend on CUDA), its gradients checked against
+    float64 (grad_error), then torch.autograd.grad(O, (Q, K, V), dO) timed on the graph kept from that forward (the
+    forward not timed). CPU: time_cpu; CUDA: bench_backward.cu's timing, 2 warm-up calls, then the mean of --iters
+    calls (default 10) between two events. The CUDA rows also carry bench_backward's JSON keys (impl, batch, heads,
+    seq, head_dim, causal, ms, tflops)."""
+    iters = args.iters or 10
+    for name, shape, dtype, mask, threads, backend in backward_rows(args, device):
+        if not keep.search(name):
+            continue
         b, h, s, d = shape
-        for mask in ("dense", "causal"):
-            causal = mask == "causal"
-            density = causal_fraction(s, s) if causal else 1.0
-            for threads in sorted({1, args.threads}):
-                name = "peer_torch_sdpa_cpu_bwd/f32/%s/%s/threads:%d" % (mask, shape_name(*shape), threads)
-                if not keep.search(name):
-                    continue
-                torch.set_num_threads(threads)
-                q, k, v = (x.requires_grad_(True) for x in cpu_inputs(shape, "f32"))
-                g = torch.Generator(device="cpu").manual_seed(4)
-                d_o = torch.rand(b, h, s, d, generator=g) * 2 - 1
+        causal = mask == "causal"
+        density = backward_density(device, mask, s)
+        if device == "cpu":
+            torch.set_num_threads(threads)
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            forced = contextlib.nullcontext
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            forced = lambda chosen=getattr(SDPBackend, SDPA_BACKENDS[backend]): sdpa_kernel([chosen])  # noqa: E731
+        q, k, v = (uniform(shape, dtype, device, gen).requires_grad_(True) for _ in range(3))
+        d_o = uniform(shape, dtype, device, gen)
+        try:
+            with forced():
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 grads = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
-                q64, k64, v64 = (x[:1, :1].detach().double().requires_grad_(True) for x in (q, k, v))
-                o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
-                ref = torch.autograd.grad(o64, (q64, k64, v64), d_o[:1, :1].double())
-                err = max(float((gr[:1, :1].double() - r).abs().max()) for gr, r in zip(grads, ref))
-                if not err <= TOLERANCE["f32"]:
-                    out.add(error_row(name, shape, "f32", mask, threads,
-                                      "max gradient error %.3g against float64 exceeds %.3g" % (err, TOLERANCE["f32"])))
-                    continue
-                seconds, iterations = time_cpu(lambda: torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True),
-                                               args.min_time, args.repetitions)
-                note("%-64s %12.1f us  max_err %.2g" % (name, seconds * 1e6, err))
-                row = bench_row(name, shape, "f32", mask, threads, density, seconds, iterations, err)
-                row["flop"] = 10.0 * b * h * s * s * d * density
-                row["FLOP/s"] = row["flop"] / seconds
-                out.add(row)
-                del o, grads
+        except Exception as e:  # noqa: BLE001 - the backend does not take this shape / GPU
+            note("%s skipped: %s" % (name, (str(e).splitlines() or [type(e).__name__])[0]))
+            continue
+        err = grad_error(q, k, v, d_o, grads, causal)
+        del grads
+        if not err <= TOLERANCE[dtype]:
+            out.add(error_row(name, shape, dtype, mask, threads,
+                              "max gradient error %.3g (relative to the largest entry) against float64 exceeds "
+                              "%.3g" % (err, TOLERANCE[dtype])))
+            continue
+        def step(*_, o=o, inputs=(q, k, v), d_o=d_o):
+            return torch.autograd.grad(o, inputs, d_o, retain_graph=True)
+        with forced():
+            if device == "cpu":
+                seconds, iterations = time_cpu(step, args.min_time, args.repetitions)
+            else:
+                seconds, iterations = time_cuda_mean(step, 1, iters, 2)
+        flop = 10.0 * b * h * s * s * d * density
+        extra = {} if device == "cpu" else dict(
+            impl="sdpa_" + backend, batch=b, heads=h, seq=s, head_dim=d, causal=causal, ms=round(seconds * 1e3, 4),
+            tflops=round(flop / seconds * 1e-12, 1))
+        row = bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, err, flop=flop, **extra)
+        note("%-64s %12.1f us %s  max_err %.2g" % (name, seconds * 1e6, rate(row), err))
+        out.add(row)
+        del step, o, q, k, v, d_o
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------- the decode mode
+
+def decode_rows():
+    """(name, shape, backend, copies, kv_bytes) in bench/gpu/bench_decode.cu's order: per batch and S_kv, SDPA's cuDNN
+    backend, then its flash backend. shape is (b, h, h_kv, s_q, s_kv, d); copies: the K/V copies the calls rotate
+    through (together at least DECODE_SPAN bytes, at most 8); kv_bytes: the K and V one call reads."""
+    rows = []
+    for b in DECODE_BATCHES:
+        for s_kv in DECODE_SEQS:
+            per = b * DECODE_HEADS_KV * s_kv * DECODE_D * 2  # bytes of K (and of V), bf16
+            copies = max(1, min(8, -(-DECODE_SPAN // (2 * per))))
+            shape = (b, DECODE_HEADS, DECODE_HEADS_KV, 1, s_kv, DECODE_D)
+            for backend in ("cudnn", "flash"):
+                name = "decode/bf16/torch_%s/b%d_h%d_hkv%d_skv%d_d%d" % (backend, b, DECODE_HEADS, DECODE_HEADS_KV,
+                                                                         s_kv, DECODE_D)
+                rows.append((name, shape, backend, copies, 2.0 * per))
+    return rows
+
+
+def run_decode(args, out):
+    """GQA decode under SDPA (enable_gqa) with the cuDNN and the flash backend forced. Each row is checked against
+    float64 (the query row of every head of batch 0, relative to the largest entry), then timed as bench_decode times:
+    min(3·copies, 24) warm-up calls, then the mean of --iters calls (default 20) queued between two events, call i
+    reading K/V copy i % copies."""
+    if not torch.cuda.is_available():
+        sys.exit("torch_peer: --decode needs a GPU, and torch.cuda.is_available() is False")
+    keep = re.compile(args.filter)
+    iters = args.iters or 20
+    note("device:", torch.cuda.get_device_name(0), "torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())
+    rows = [r for r in decode_rows() if keep.search(r[0])]
+    with torch.inference_mode():
+        for (shape, copies), group in itertools.groupby(rows, key=lambda r: (r[1], r[3])):
+            b, h, h_kv, s_q, s_kv, d = shape
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q = uniform((b, h, s_q, d), "bf16", "cuda", gen)
+            sets = [(q, uniform((b, h_kv, s_kv, d), "bf16", "cuda", gen), uniform((b, h_kv, s_kv, d), "bf16", "cuda",
+                                                                                  gen)) for _ in range(copies)]
+            timer = lambda fn, n, c=copies: time_cuda_mean(fn, n, iters, min(3 * c, 24))  # noqa: E731
+            for name, _, backend, _, kv_bytes in group:
+                out.add(checked_row(name, sdpa_with(backend, False, gqa=True), sets, shape, "bf16", "decode", 1, 1.0,
+                                    "cuda", args, timer=timer, relative=True, heads=h, traffic=kv_bytes))
+            del q, sets
+            torch.cuda.empty_cache()
+
+
+def list_rows(args):
+    """Prints the rows --decode or --backward would time, with their counts, and runs nothing."""
+    keep = re.compile(args.filter)
+    if args.decode:
+        for name, shape, _, copies, kv_bytes in decode_rows():
+            if keep.search(name):
+                b, h, _, s_q, s_kv, d = shape
+                print("%-52s flop %.4g  K+V %.4f GiB  copies %d (%.2f GiB)" % (
+                    name, 4.0 * b * h * s_q * s_kv * d, kv_bytes / 2**30, copies, copies * kv_bytes / 2**30))
+        return
+    if not args.backward:
+        sys.exit("torch_peer: --list lists the rows of --decode or of --backward")
+    for device in (("cpu", "cuda") if args.device == "all" else (args.device,)):
+        for name, shape, dtype, mask, _, _ in backward_rows(args, device):
+            if keep.search(name):
+                b, h, s, d = shape
+                flop = 10.0 * b * h * s * s * d * backward_density(device, mask, s)
+                print("%-60s flop %.4g  density %.4f" % (name, flop, backward_density(device, mask, s)))
 
 
 # ----------------------------------------------------------------------------------------- the block-sparse mode
@@ -725,19 +942,42 @@ def main():
     ap.add_argument("--cpu-types", default="f32,f16",
                     help="suite mode: the CPU rows' storage types, comma-separated (f32, f16, bf16; default f32,f16)")
     ap.add_argument("--backward", action="store_true",
-                    help="suite mode: CPU SDPA's backward on fusedattn-bench's flash_bwd shapes (f32)")
+                    help="suite mode: adds SDPA's backward, on the CPU fusedattn-bench's flash_bwd shapes (f32), on "
+                         "CUDA bench/gpu/bench_backward.cu's (bf16, flash and cuDNN)")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode mode (CUDA): SDPA's cuDNN and flash backends on bench/gpu/bench_decode.cu's shapes")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="CUDA --decode and --backward rows: timed calls, their mean kept (default 20 for --decode, "
+                         "10 for --backward)")
+    ap.add_argument("--list", action="store_true",
+                    help="print the rows --decode or --backward would time (name, FLOPs, bytes) and run nothing")
     ap.add_argument("--filter", default="", help="suite mode: only rows whose name this regex matches (re.search)")
     ap.add_argument("--out", default="torch_peer.json", help="output JSON file (default torch_peer.json)")
     args = ap.parse_args()
-    if args.block_sparse and args.interleave:
-        sys.exit("torch_peer: --block-sparse and --interleave are separate modes")
+    if sum(map(bool, (args.block_sparse, args.interleave, args.decode))) > 1:
+        sys.exit("torch_peer: --block-sparse, --interleave and --decode are separate modes")
+    if args.decode and args.device == "cpu":
+        sys.exit("torch_peer: --decode times CUDA SDPA: use --device cuda")
+    if args.iters is not None and args.iters < 1:
+        sys.exit("torch_peer: --iters must be at least 1, not %d" % args.iters)
+    if args.list:
+        list_rows(args)
+        return
+    if (args.decode or args.device == "cuda") and not torch.cuda.is_available():
+        sys.exit("torch_peer: %s needs a GPU, and torch.cuda.is_available() is False" % (
+            "--decode" if args.decode else "--device cuda"))
+    if not hasattr(F, "scaled_dot_product_attention"):
+        sys.exit("torch_peer: torch %s has no scaled_dot_product_attention (needs torch >= 2.3)" % torch.__version__)
 
-    mode = "--block-sparse" if args.block_sparse else "--interleave" if args.interleave else "--suite " + args.suite
+    mode = ("--block-sparse" if args.block_sparse else "--interleave" if args.interleave else
+            "--decode" if args.decode else "--suite " + args.suite + (" --backward" if args.backward else ""))
     out = Output(args.out, mode)
     if args.block_sparse:
         run_block_sparse(args, out)
     elif args.interleave:
         run_interleaved(args, out)
+    elif args.decode:
+        run_decode(args, out)
     else:
         run_suite(args, out)
     out.write()
