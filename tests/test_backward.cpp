@@ -354,8 +354,10 @@ TEST_CASE("backward: hostile inputs are rejected naming the field, nothing writt
   CHECK(unchanged(c.dq.buf, dq0));
 }
 
+#if !FUSEDATTN_TEST_SUBSET  // [heavy]: not compiled in CI's sanitizer stage
 TEST_CASE("backward matches the float64 oracle: long sequences, head_dim 64 and 128", "[backward][heavy]") {
   check_backward<float>({1, 2, 1, 1100, 1300, 64}, layout::bhsd, fa::causal{fa::align::bottom_right});
   check_backward<float>({1, 2, 2, 777, 1025, 128}, layout::bshd, fa::dense{});
   check_backward<Eigen::bfloat16>({1, 2, 1, 1024, 1024, 128}, layout::bhsd, fa::causal{});
 }
+#endif

@@ -189,6 +189,7 @@ TEST_CASE("block_sparse: segments and is_partial agree with allowed()", "[block_
       }
 }
 
+#if !FUSEDATTN_TEST_SUBSET  // [heavy]: not compiled in CI's sanitizer stage
 TEST_CASE("block_sparse matches the float64 oracle: the block shapes of the reference kernel",
           "[block_sparse][heavy]") {
   const index_t sizes[] = {128, 256, 512, 1024};
@@ -208,6 +209,7 @@ TEST_CASE("block_sparse matches the float64 oracle: the block shapes of the refe
       ++n;
     }
 }
+#endif
 
 TEST_CASE("block_sparse matches the float64 oracle: odd blocks and per-head / per-batch patterns and frames",
           "[block_sparse]") {

@@ -66,6 +66,7 @@ std::vector<std::int64_t> v64(std::initializer_list<std::int64_t> l) { return l;
 
 }  // namespace
 
+#if !FUSEDATTN_TEST_SUBSET  // [heavy]: not compiled in CI's sanitizer stage
 TEST_CASE("ascend: every band mask, layout and shape matches the float64 oracle (f32)", "[ascend][heavy]") {
   // tail_shapes() with 300 where it has 1000: the fake and the oracle are plain loops.
   const std::vector<fa::problem> shapes = {
@@ -77,6 +78,7 @@ TEST_CASE("ascend: every band mask, layout and shape matches the float64 oracle 
     for (layout l : {layout::bhsd, layout::bshd, layout::padded, layout::padded16})
       for (const fa::any_mask& m : all_masks()) run_checked<float>(p, l, m);
 }
+#endif
 
 TEST_CASE("ascend: f16 and bf16 match the oracle, with and without lse", "[ascend]") {
   const std::vector<fa::problem> shapes = {{1, 4, 2, 33, 65, 64}, {2, 2, 1, 7, 7, 80}, {1, 2, 2, 65, 33, 32},
