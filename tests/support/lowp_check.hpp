@@ -1,10 +1,14 @@
 /// @file lowp_check.hpp
-/// The low-precision accuracy rule shared by test_lowp and test_amx: a plain f32 implementation's error against
-/// float64 (its output rounded to the output type), its lse error, the bf16 half-ulp floor, and the rule's check.
+/// The low-precision accuracy rule shared by test_lowp, test_amx and test_arm_bf16: a plain f32 implementation's
+/// error against float64 (its output rounded to the output type), its lse error, the bf16 half-ulp floor, the rule's
+/// check, and the bf16-pair kernels' check that keys outside a tile never reach its rows.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
 #include <type_traits>
 #include <vector>
 
@@ -71,6 +75,54 @@ void check_lowp_rule(const tensor_ref<Out>& o, const std::vector<float>& lse, co
   const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
   INFO("lse error " << lse_err << ", plain " << plain_lse);
   CHECK(lse_err <= 2.0 * plain_lse + lse_floor);
+}
+
+/// One round's shape for check_unseen_keys_stay_out: the problem and the key count of its layout's kv blocks.
+struct sparse_shape {
+  problem p;
+  index_t block_kv = 0;
+};
+
+/// Kernels that read keys in bf16 pairs must not let a key outside a tile reach a row: block-sparse tiles are not
+/// partial, so a tile of an odd key count pairs its last key with the next one, which the tile's rows may not see.
+/// Each of `rounds` rounds draws a fresh seed, a random block-sparse layout of shape_of(round) (4-row q blocks,
+/// kv blocks of block_kv keys, density 0.6) and fresh bf16 inputs (bhsd), puts NaN in every V row that no query of
+/// any head sees, runs `pol` (O and lse) and holds O to the bf16 rule (check_lowp_output at bf16_plain_error). A
+/// layout that leaves no key unseen runs nothing. Returns the rounds that held a NaN key.
+template <class Policy, class ShapeOf>
+int check_unseen_keys_stay_out(const Policy& pol, int rounds, ShapeOf&& shape_of) {
+  using bf16 = Eigen::bfloat16;
+  int poisoned_rounds = 0;
+  for (int round = 0; round < rounds; ++round) {
+    const std::uint64_t seed = fresh_seed();
+    CAPTURE(seed, round);
+    std::mt19937_64 rng(seed);
+    const sparse_shape shape = shape_of(round);
+    const problem& p = shape.p;
+    const block_layout blocks = random_layout(block_geometry{p.seq_q, p.seq_kv, 4, shape.block_kv}, 0.6, seed);
+    const block_sparse mask{blocks};
+    const auto bound = bind(mask, p);
+    attention_case<bf16> c(p, layout::bhsd, rng);
+    int poisoned = 0;
+    for (index_t j = 0; j < p.seq_kv; ++j) {
+      bool seen = false;
+      for (index_t h = 0; h < p.heads; ++h)
+        for (index_t i = 0; i < p.seq_q; ++i) seen |= for_head(bound, 0, h).allowed(i, j);
+      if (seen) continue;
+      ++poisoned;
+      for (index_t x = 0; x < p.head_dim; ++x) c.v.view.row(0, 0, j)[x] = std::numeric_limits<bf16>::quiet_NaN();
+    }
+    if (poisoned == 0) continue;
+    ++poisoned_rounds;
+    std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
+    REQUIRE(attend(pol, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data()).ok());
+    const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+    const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+    INFO("keys holding NaN " << poisoned);
+    check_lowp_output(c.o.view, exact,
+                      bf16_plain_error(p, c.q.cview(), c.k.cview(), c.v.cview(), bound, plain, exact));
+  }
+  return poisoned_rounds;
 }
 
 }  // namespace testing
