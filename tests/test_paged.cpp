@@ -283,3 +283,66 @@ TEST_CASE("paged: bad caches are refused by name, nothing written", "[paged]") {
     CHECK(c.o == o0);
   }
 }
+
+TEST_CASE("paged: host mirrors equal to the tables give the same bits; a differing mirror is refused by name",
+          "[paged][mirror]") {
+  std::mt19937_64 rng(fresh_seed());
+  // Pages of 8: sequence 0 reads 3 of its 4 block-table entries, sequence 1 one, sequence 2 none (no keys).
+  paged_case<float> c({1, 4, 2, 1, 1, 16}, 8, page_layout::nhd, {20, 5, 0}, rng);
+  const problem& p = c.p;
+  auto call = [&](const paged_kv<const float>& kv) {
+    std::fill(c.o.begin(), c.o.end(), 7.0f);
+    std::fill(c.lse.begin(), c.lse.end(), 123.0f);
+    return attend_paged(policy::cpu<>{2}, p, bhsd<const float>(c.q.data(), p.q_dims()), kv,
+                        bhsd(c.o.data(), p.o_dims()), causal{align::bottom_right}, c.lse.data());
+  };
+  REQUIRE(call(c.view()).ok());
+  const std::vector<float> o_plain = c.o, lse_plain = c.lse;
+  const std::vector<float> o_sentinel(c.o.size(), 7.0f), lse_sentinel(c.lse.size(), 123.0f);
+  std::vector<std::int32_t> table = c.table, lens = c.lens;  // the mirrors: copies of the tables
+  // Both mirrors, each one alone, and a mirror whose entries the call does not read differ (beyond a row's pages).
+  table[static_cast<std::size_t>(c.blocks_per_seq + 1)] = -5;  // sequence 1 reads entry 0 only
+  table[static_cast<std::size_t>(2 * c.blocks_per_seq)] = 999;  // sequence 2 reads none
+  for (const auto& kv : {c.view().with_host_tables(table.data(), lens.data()),
+                         c.view().with_host_tables(table.data(), nullptr),
+                         c.view().with_host_tables(nullptr, lens.data())}) {
+    const status st = call(kv);
+    INFO(st.what());
+    REQUIRE(st.ok());
+    CHECK(c.o == o_plain);
+    CHECK(c.lse == lse_plain);
+  }
+  const auto refused = [&](const paged_kv<const float>& kv, const std::string& field) {
+    const status st = call(kv);
+    INFO(st.what());
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(st.message().find(field) != std::string::npos);
+    CHECK(c.o == o_sentinel);
+    CHECK(c.lse == lse_sentinel);
+  };
+  {  // a page id the call reads, differing (in range: only the comparison catches it)
+    std::vector<std::int32_t> bad = c.table;
+    const std::int32_t was = bad[2];
+    bad[2] = c.table[static_cast<std::size_t>(c.blocks_per_seq)];
+    refused(c.view().with_host_tables(bad.data(), nullptr),
+            "kv.host_block_table[0][2] is " + std::to_string(bad[2]) + " but kv.block_table[0][2] is " +
+                std::to_string(was));
+  }
+  {  // a length differing, also within the pages
+    std::vector<std::int32_t> bad = c.lens;
+    bad[1] = 4;
+    refused(c.view().with_host_tables(nullptr, bad.data()), "kv.host_seq_lens[1] is 4 but kv.seq_lens[1] is 5");
+  }
+  {  // the mirrors travel through the conversion to a const view
+    std::vector<float> k = c.k, v = c.v;
+    std::vector<std::int32_t> bad = c.lens;
+    bad[0] = 19;
+    const paged_kv<float> mutable_view =
+        paged<float>(k.data(), v.data(), c.pages, c.page_size, p.heads_kv, p.head_dim, c.layout, c.table.data(),
+                     c.blocks_per_seq, c.lens.data())
+            .with_host_tables(c.table.data(), bad.data());
+    const paged_kv<const float> as_const = mutable_view;
+    CHECK(as_const.host_block_table == c.table.data());
+    refused(as_const, "kv.host_seq_lens[0] is 19");
+  }
+}

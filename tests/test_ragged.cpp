@@ -191,3 +191,48 @@ TEST_CASE("ragged: bad offsets are refused by name, nothing written", "[ragged]"
   const status st = attend_ragged(policy::cuda{}, c.p, c.batch(), c.qv(), c.kv(), c.vv(), c.ov());
   CHECK(st.code() == errc::unsupported);
 }
+
+TEST_CASE("ragged: host mirrors equal to the offsets give the same bits; a differing mirror is refused by name",
+          "[ragged][mirror]") {
+  std::mt19937_64 rng(fresh_seed());
+  // Decode (one query per sequence, one decode-kernel call) and prefill (sequence by sequence), a sequence of no keys.
+  for (const auto& len_q : {std::vector<std::int32_t>{1, 1, 1}, std::vector<std::int32_t>{3, 9, 1}}) {
+    ragged_case<float> c(4, 2, 32, len_q, {70, 0, 13}, rng);
+    INFO("queries per sequence " << len_q[0] << ", " << len_q[1] << ", " << len_q[2]);
+    const auto call = [&](const ragged_batch& rb) {
+      std::fill(c.o.begin(), c.o.end(), 7.0f);
+      std::fill(c.lse.begin(), c.lse.end(), 123.0f);
+      return attend_ragged(policy::cpu<>{2}, c.p, rb, c.qv(), c.kv(), c.vv(), c.ov(), causal{align::bottom_right},
+                           c.lse.data());
+    };
+    REQUIRE(call(c.batch()).ok());
+    const std::vector<float> o_plain = c.o, lse_plain = c.lse;
+    const std::vector<std::int32_t> mq = c.cu_q, mkv = c.cu_kv;  // the mirrors: copies of the offsets
+    for (const ragged_batch& rb : {c.batch().with_host_offsets(mq.data(), mkv.data()),
+                                   c.batch().with_host_offsets(mq.data(), nullptr),
+                                   c.batch().with_host_offsets(nullptr, mkv.data())}) {
+      const status st = call(rb);
+      INFO(st.what());
+      REQUIRE(st.ok());
+      CHECK(c.o == o_plain);
+      CHECK(c.lse == lse_plain);
+    }
+    const auto refused = [&](const ragged_batch& rb, const std::string& field) {
+      const status st = call(rb);
+      INFO(st.what());
+      CHECK(st.code() == errc::invalid_argument);
+      CHECK(st.message().find(field) != std::string::npos);
+      CHECK(std::all_of(c.o.begin(), c.o.end(), [](float x) { return x == 7.0f; }));
+      CHECK(std::all_of(c.lse.begin(), c.lse.end(), [](float x) { return x == 123.0f; }));
+    };
+    std::vector<std::int32_t> bad_q = c.cu_q, bad_kv = c.cu_kv;
+    bad_q[1] += 1;  // still valid offsets: only the comparison catches it
+    refused(c.batch().with_host_offsets(bad_q.data(), nullptr),
+            "ragged.host_cu_seqlens_q[1] is " + std::to_string(bad_q[1]) + " but ragged.cu_seqlens_q[1] is " +
+                std::to_string(c.cu_q[1]));
+    bad_kv[2] += 5;
+    refused(c.batch().with_host_offsets(nullptr, bad_kv.data()),
+            "ragged.host_cu_seqlens_kv[2] is " + std::to_string(bad_kv[2]) + " but ragged.cu_seqlens_kv[2] is " +
+                std::to_string(c.cu_kv[2]));
+  }
+}

@@ -23,6 +23,18 @@ template <class T>
 status attend_ragged_cuda(const problem& p, const ragged_batch& rb, tensor_ref<const T> q, tensor_ref<const T> k,
                           tensor_ref<const T> v, tensor_ref<T> o, const serving_mask& mask, float* lse);
 
+/// attend_paged(policy::cuda{stream}, ...) on `stream` (a cudaStream_t), without synchronising: the call's status
+/// (e.g. a stream being captured into a CUDA graph).
+template <class T>
+status attend_paged_cuda_on(void* stream, const problem& p, tensor_ref<const T> q, const paged_kv<const T>& kv,
+                            tensor_ref<T> o, const serving_mask& mask, float* lse);
+
+/// attend_ragged(policy::cuda{stream}, ...) on `stream`, without synchronising.
+template <class T>
+status attend_ragged_cuda_on(void* stream, const problem& p, const ragged_batch& rb, tensor_ref<const T> q,
+                             tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const serving_mask& mask,
+                             float* lse);
+
 /// attend(policy::cuda{}, ...) (the automatic kernel) on device pointers; synchronises.
 template <class T>
 status attend_decode_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,

@@ -29,6 +29,20 @@ status attend_ragged_cuda(const problem& p, const ragged_batch& rb, tensor_ref<c
 }
 
 template <class T>
+status attend_paged_cuda_on(void* stream, const problem& p, tensor_ref<const T> q, const paged_kv<const T>& kv,
+                            tensor_ref<T> o, const serving_mask& mask, float* lse) {
+  return std::visit([&](const auto& m) { return attend_paged(policy::cuda{stream}, p, q, kv, o, m, lse); }, mask);
+}
+
+template <class T>
+status attend_ragged_cuda_on(void* stream, const problem& p, const ragged_batch& rb, tensor_ref<const T> q,
+                             tensor_ref<const T> k, tensor_ref<const T> v, tensor_ref<T> o, const serving_mask& mask,
+                             float* lse) {
+  return std::visit(
+      [&](const auto& m) { return attend_ragged(policy::cuda{stream}, p, rb, q, k, v, o, m, lse); }, mask);
+}
+
+template <class T>
 status attend_decode_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
                           tensor_ref<T> o, const serving_mask& mask, float* lse) {
   return synced(std::visit(
@@ -55,15 +69,20 @@ kernel_plan plan_decode_cuda(const problem& p, tensor_ref<const T> q, tensor_ref
       mask);
 }
 
-#define FUSEDATTN_SERVING_ENTRY(T)                                                                                  \
+#define FUSEDATTN_SERVING_ENTRY(T)                                                                                   \
   template status attend_paged_cuda<T>(const problem&, tensor_ref<const T>, const paged_kv<const T>&, tensor_ref<T>, \
-                                       const serving_mask&, float*);                                             \
-  template status attend_ragged_cuda<T>(const problem&, const ragged_batch&, tensor_ref<const T>,                   \
+                                       const serving_mask&, float*);                                                 \
+  template status attend_ragged_cuda<T>(const problem&, const ragged_batch&, tensor_ref<const T>,                    \
                                         tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>, const serving_mask&, \
-                                        float*);                                                                  \
-  template status attend_decode_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,                   \
-                                        tensor_ref<const T>, tensor_ref<T>, const serving_mask&, float*);          \
-  template kernel_plan plan_decode_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,                \
+                                        float*);                                                                     \
+  template status attend_paged_cuda_on<T>(void*, const problem&, tensor_ref<const T>, const paged_kv<const T>&,      \
+                                          tensor_ref<T>, const serving_mask&, float*);                               \
+  template status attend_ragged_cuda_on<T>(void*, const problem&, const ragged_batch&, tensor_ref<const T>,          \
+                                           tensor_ref<const T>, tensor_ref<const T>, tensor_ref<T>,                  \
+                                           const serving_mask&, float*);                                             \
+  template status attend_decode_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,                    \
+                                        tensor_ref<const T>, tensor_ref<T>, const serving_mask&, float*);            \
+  template kernel_plan plan_decode_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,                 \
                                            tensor_ref<const T>, tensor_ref<T>, const serving_mask&, float*);
 
 }  // namespace fusedattn::testing::gpu

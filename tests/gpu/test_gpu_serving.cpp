@@ -4,7 +4,9 @@
 // 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; batches whose keys split over
 // the SMs (partial tiles, idle warps, short last splits) rerun bitwise; the NaN contract on a masked key; bad tables
 // and offsets refused with nothing written; score modifiers (softcap, ALiBi of both alignments, sinks, all three) on
-// paged and ragged calls, with a sequence of no keys (lse = the sink) and a split sequence (the sink counted once).
+// paged and ragged calls, with a sequence of no keys (lse = the sink) and a split sequence (the sink counted once);
+// host mirrors of the tables and offsets (bitwise the result of reading them back, bad mirrors refused by name) and
+// the refusal of a stream being captured into a CUDA graph.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,6 +57,17 @@ struct dev {
     if (n > 0) cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
     return h;
   }
+  /// Overwrites the device copy with `h` (of the same size).
+  void put(const std::vector<T>& h) const {
+    if (n > 0) cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+  }
+};
+
+/// The host mirrors a serving call passes: of the block table or cu_seqlens_q (`first`), of the lengths or
+/// cu_seqlens_kv (`second`). With any, the call runs twice, without and with them, and must give the same bits.
+struct mirror_set {
+  bool first = false, second = false;
+  bool any() const { return first || second; }
 };
 
 std::string mask_label(const serving_mask& m) {
@@ -174,9 +187,10 @@ struct paged_case {
 };
 
 /// `oracle_mask`, when given, is `mask` with its modifiers' arrays on the host (the call's are on the device).
+/// With `mirrors`, the call is made again with host mirrors of the block table and / or the lengths: the same bits.
 template <class T>
 void run_paged(const problem& shape, index_t page_size, page_layout layout, const std::vector<std::int32_t>& lens,
-               const serving_mask& mask, const serving_mask* oracle_mask = nullptr) {
+               const serving_mask& mask, const serving_mask* oracle_mask = nullptr, mirror_set mirrors = {}) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   paged_case<T> c(shape, page_size, layout, lens, rng);
@@ -196,6 +210,21 @@ void run_paged(const problem& shape, index_t page_size, page_layout layout, cons
   REQUIRE(st.ok());
   const std::vector<T> o = d_o.get();
   const std::vector<float> lse = dlse.get();
+  if (mirrors.any()) {
+    INFO("host mirrors of" << (mirrors.first ? " the block table" : "") << (mirrors.second ? " the lengths" : ""));
+    d_o.put(std::vector<T>(c.q.size(), T(7.0f)));
+    dlse.put(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+    const status sm = gpu::attend_paged_cuda<T>(
+        p, bhsd<const T>(dq.ptr, p.q_dims()),
+        kv.with_host_tables(mirrors.first ? c.table.data() : nullptr, mirrors.second ? c.lens.data() : nullptr),
+        bhsd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+    INFO(sm.what());
+    REQUIRE(sm.ok());
+    const std::vector<T> om = d_o.get();
+    const std::vector<float> lm = dlse.get();
+    CHECK(std::memcmp(o.data(), om.data(), o.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(lse.data(), lm.data(), lse.size() * sizeof(float)) == 0);
+  }
   const index_t rows = p.heads * p.seq_q * p.head_dim;
   for (index_t b = 0; b < p.batch; ++b) {
     const index_t len = c.lens[std::size_t(b)];
@@ -212,10 +241,11 @@ void run_paged(const problem& shape, index_t page_size, page_layout layout, cons
 }
 
 /// attend_ragged on sequences of nq[b] queries and nk[b] keys (packed bshd) against one oracle call per sequence;
-/// `oracle_mask` as in run_paged.
+/// `oracle_mask` as in run_paged; with `mirrors`, again with host mirrors of cu_seqlens_q and / or cu_seqlens_kv.
 template <class T>
 void run_ragged(const std::vector<std::int32_t>& nq_of, const std::vector<std::int32_t>& nk_of, index_t heads,
-                index_t heads_kv, index_t d, const serving_mask& mask, const serving_mask* oracle_mask = nullptr) {
+                index_t heads_kv, index_t d, const serving_mask& mask, const serving_mask* oracle_mask = nullptr,
+                mirror_set mirrors = {}) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const index_t n = static_cast<index_t>(nq_of.size());
@@ -239,6 +269,22 @@ void run_ragged(const std::vector<std::int32_t>& nq_of, const std::vector<std::i
   REQUIRE(st.ok());
   const std::vector<T> o = d_o.get();
   const std::vector<float> lse = dlse.get();
+  if (mirrors.any()) {
+    INFO("host mirrors of" << (mirrors.first ? " cu_seqlens_q" : "") << (mirrors.second ? " cu_seqlens_kv" : ""));
+    d_o.put(std::vector<T>(q.size(), T(7.0f)));
+    dlse.put(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+    const ragged_batch rb = ragged_batch{n, dcq.ptr, dck.ptr}.with_host_offsets(mirrors.first ? cu_q.data() : nullptr,
+                                                                               mirrors.second ? cu_kv.data() : nullptr);
+    const status sm = gpu::attend_ragged_cuda<T>(p, rb, bshd<const T>(dq.ptr, p.q_dims()),
+                                                 bshd<const T>(dk.ptr, p.kv_dims()), bshd<const T>(dv.ptr, p.kv_dims()),
+                                                 bshd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+    INFO(sm.what());
+    REQUIRE(sm.ok());
+    const std::vector<T> om = d_o.get();
+    const std::vector<float> lm = dlse.get();
+    CHECK(std::memcmp(o.data(), om.data(), o.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(lse.data(), lm.data(), lse.size() * sizeof(float)) == 0);
+  }
   for (index_t b = 0; b < n; ++b) {
     const index_t q0 = cu_q[std::size_t(b)], nq = nq_of[std::size_t(b)], k0 = cu_kv[std::size_t(b)],
                   nk = nk_of[std::size_t(b)];
@@ -510,4 +556,186 @@ TEST_CASE("cuda serving calls refuse bad tables and offsets with nothing written
     for (const float x : rlse.get()) CHECK(x == 123.0f);
     untouched();
   }
+}
+
+TEMPLATE_TEST_CASE("cuda paged and ragged calls plan from host mirrors: the same bits as reading the tables back",
+                   "[gpu][serving][mirror]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  const std::vector<std::int32_t> lens = {1, 17, 300, 0, 1000, 64};
+  for (const mirror_set m : {mirror_set{true, true}, mirror_set{true, false}, mirror_set{false, true}}) {
+    run_paged<T>({1, 32, 8, 1, 1, 128}, 16, page_layout::nhd, lens, causal{align::bottom_right}, nullptr, m);
+    run_paged<T>({1, 32, 8, 1, 1, 128}, 64, page_layout::hnd, lens, dense{}, nullptr, m);
+    // Ragged decode in one launch (a sequence of no keys), and ragged prefill sequence by sequence.
+    run_ragged<T>({1, 1, 1, 1, 1}, {0, 1, 37, 512, 129}, 32, 8, 128, causal{align::bottom_right}, nullptr, m);
+    run_ragged<T>({3, 0, 50, 1}, {3, 5, 50, 70}, 8, 2, 128, causal{align::bottom_right}, nullptr, m);
+  }
+  // Keys split over many blocks (the split count planned from the mirrored lengths), and speculative decode.
+  run_paged<T>({1, 32, 8, 1, 1, 128}, 64, page_layout::nhd, {20000, 4099}, causal{align::bottom_right}, nullptr,
+               {true, true});
+  run_paged<T>({1, 32, 8, 3, 1, 128}, 16, page_layout::hnd, {5, 700, 2, 129}, window{100, 0, align::bottom_right},
+               nullptr, {true, true});
+}
+
+TEST_CASE("cuda serving calls refuse bad host mirrors by name, nothing written", "[gpu][serving][mirror]") {
+  if (!have_device()) return;
+  using T = Eigen::half;
+  std::mt19937_64 rng(fresh_seed());
+  paged_case<T> c({1, 8, 2, 1, 1, 64}, 16, page_layout::nhd, {40, 7}, rng);
+  const problem& p = c.p;
+  dev<T> dk(c.k), dv(c.v), dq(c.q), d_o(std::vector<T>(c.q.size(), T(7.0f)));
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  dev<std::int32_t> dt(c.table), dl(c.lens);
+  REQUIRE((dk.ptr && dv.ptr && dq.ptr && d_o.ptr && dlse.ptr && dt.ptr && dl.ptr));
+  const paged_kv<const T> kv = paged<const T>(dk.ptr, dv.ptr, c.pages, 16, p.heads_kv, p.head_dim, page_layout::nhd,
+                                              dt.ptr, c.blocks_per_seq, dl.ptr);
+  auto call = [&](const paged_kv<const T>& view) {
+    return gpu::attend_paged_cuda<T>(p, bhsd<const T>(dq.ptr, p.q_dims()), view, bhsd(d_o.ptr, p.o_dims()), dense{},
+                                     dlse.ptr);
+  };
+  auto refused = [&](const status& st, const std::string& field) {
+    INFO(st.what());
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find(field) != std::string::npos);
+    const std::vector<T> o = d_o.get();
+    const std::vector<float> lse = dlse.get();
+    CHECK(std::all_of(o.begin(), o.end(), [](T x) { return float(x) == 7.0f; }));
+    CHECK(std::all_of(lse.begin(), lse.end(), [](float x) { return x == 123.0f; }));
+  };
+  {  // a page id out of range in the mirror (the device table is right: the call validates the mirror)
+    std::vector<std::int32_t> table = c.table;
+    table[1] = std::int32_t(c.pages);
+    refused(call(kv.with_host_tables(table.data(), nullptr)),
+            "kv.host_block_table[0][1] is " + std::to_string(c.pages));
+    table[1] = -1;
+    refused(call(kv.with_host_tables(table.data(), c.lens.data())), "kv.host_block_table[0][1] is -1");
+  }
+  {  // a length beyond the sequence's pages in the mirror
+    std::vector<std::int32_t> lens = c.lens;
+    lens[1] = std::int32_t(c.blocks_per_seq * 16 + 1);
+    refused(call(kv.with_host_tables(nullptr, lens.data())), "kv.host_seq_lens[1] is " + std::to_string(lens[1]));
+  }
+  // A mirror in device memory; a mirror without its device table; a host array as the device table.
+  refused(call(kv.with_host_tables(dt.ptr, nullptr)), "kv.host_block_table is device memory");
+  {
+    paged_kv<const T> no_table = kv.with_host_tables(c.table.data(), c.lens.data());
+    no_table.block_table = nullptr;
+    refused(call(no_table), "kv.block_table is null");
+    paged_kv<const T> host_lens = kv.with_host_tables(c.table.data(), c.lens.data());
+    host_lens.seq_lens = c.lens.data();
+    refused(call(host_lens), "kv.seq_lens");
+  }
+  // Ragged: a decreasing offset in the mirror of cu_seqlens_kv, the device arrays right.
+  const problem pr{1, 8, 2, 3, 40, 64};
+  const std::vector<std::int32_t> cu_q = {0, 1, 2, 3}, cu_kv = {0, 20, 30, 40};
+  dev<std::int32_t> cq(cu_q), ck(cu_kv);
+  const std::size_t n_q = std::size_t(pr.heads * pr.seq_q * pr.head_dim),
+                    n_kv = std::size_t(pr.heads_kv * pr.seq_kv * pr.head_dim);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> hq(n_q), hk(n_kv), hv(n_kv);
+  for (auto* x : {&hq, &hk, &hv})
+    for (auto& e : *x) e = T(float(u(rng)));
+  dev<T> rq(hq), rk(hk), rv(hv), ro(std::vector<T>(n_q, T(7.0f)));
+  dev<float> rlse(std::vector<float>(std::size_t(pr.heads * pr.seq_q), 123.0f));
+  auto ragged_call = [&](const ragged_batch& rb) {
+    return gpu::attend_ragged_cuda<T>(pr, rb, bshd<const T>(rq.ptr, pr.q_dims()), bshd<const T>(rk.ptr, pr.kv_dims()),
+                                      bshd<const T>(rv.ptr, pr.kv_dims()), bshd(ro.ptr, pr.o_dims()), dense{},
+                                      rlse.ptr);
+  };
+  {
+    const std::vector<std::int32_t> bad = {0, 30, 20, 40};
+    const status st = ragged_call(ragged_batch{3, cq.ptr, ck.ptr}.with_host_offsets(nullptr, bad.data()));
+    INFO(st.what());
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(std::string(st.what()).find("ragged.host_cu_seqlens_kv[2] is 20") != std::string::npos);
+    for (const T x : ro.get()) CHECK(static_cast<float>(x) == 7.0f);
+    for (const float x : rlse.get()) CHECK(x == 123.0f);
+  }
+  {  // Nothing read back: no kernel reads cu_seqlens_q's device array, so with its mirror the call neither validates
+     // nor reads it (here it is deliberately wrong, which the call without the mirror refuses).
+    dev<std::int32_t> wrong_q(std::vector<std::int32_t>{0, 2, 1, 3});
+    const status refused_st = ragged_call(ragged_batch{3, wrong_q.ptr, ck.ptr});
+    CHECK(refused_st.code() == errc::invalid_argument);
+    CHECK(std::string(refused_st.what()).find("ragged.cu_seqlens_q[2] is 1") != std::string::npos);
+    REQUIRE(ragged_call(ragged_batch{3, cq.ptr, ck.ptr}).ok());
+    const std::vector<T> o_plain = ro.get();
+    const std::vector<float> lse_plain = rlse.get();
+    ro.put(std::vector<T>(n_q, T(7.0f)));
+    rlse.put(std::vector<float>(lse_plain.size(), 123.0f));
+    const status st = ragged_call(ragged_batch{3, wrong_q.ptr, ck.ptr}.with_host_offsets(cu_q.data(), cu_kv.data()));
+    INFO(st.what());
+    REQUIRE(st.ok());
+    const std::vector<T> o_m = ro.get();
+    CHECK(std::memcmp(o_m.data(), o_plain.data(), o_m.size() * sizeof(T)) == 0);
+    CHECK(rlse.get() == lse_plain);
+  }
+}
+
+TEST_CASE("cuda serving calls refuse a stream being captured into a CUDA graph, with or without mirrors",
+          "[gpu][serving][mirror]") {
+  if (!have_device()) return;
+  using T = Eigen::bfloat16;
+  std::mt19937_64 rng(fresh_seed());
+  paged_case<T> c({1, 8, 2, 1, 1, 64}, 16, page_layout::nhd, {40, 7}, rng);
+  const problem& p = c.p;
+  dev<T> dk(c.k), dv(c.v), dq(c.q), d_o(std::vector<T>(c.q.size(), T(7.0f)));
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  dev<std::int32_t> dt(c.table), dl(c.lens);
+  REQUIRE((dk.ptr && dv.ptr && dq.ptr && d_o.ptr && dlse.ptr && dt.ptr && dl.ptr));
+  const paged_kv<const T> kv = paged<const T>(dk.ptr, dv.ptr, c.pages, 16, p.heads_kv, p.head_dim, page_layout::nhd,
+                                              dt.ptr, c.blocks_per_seq, dl.ptr);
+  // A small ragged decode batch (one query row per sequence).
+  const problem pr{1, 8, 2, 2, 30, 64};
+  const std::vector<std::int32_t> cu_q = {0, 1, 2}, cu_kv = {0, 10, 30};
+  dev<std::int32_t> cq(cu_q), ck(cu_kv);
+  const std::size_t n_q = std::size_t(pr.heads * pr.seq_q * pr.head_dim),
+                    n_kv = std::size_t(pr.heads_kv * pr.seq_kv * pr.head_dim);
+  const std::vector<T> hk = uniform_values<T>(rng, index_t(n_kv));
+  dev<T> rq(uniform_values<T>(rng, index_t(n_q))), rk(hk), rv(hk), ro(std::vector<T>(n_q, T(7.0f)));
+  dev<float> rlse(std::vector<float>(std::size_t(pr.heads * pr.seq_q), 123.0f));
+  REQUIRE((rq.ptr && rk.ptr && rv.ptr && ro.ptr && rlse.ptr && cq.ptr && ck.ptr));
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  // Runs `call` while `stream` is being captured, ends the capture, and checks the refusal.
+  auto captured = [&](auto&& call) {
+    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    const status st = call();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t e = cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    CHECK(e == cudaSuccess);
+    INFO(st.what());
+    CHECK(st.code() == errc::unsupported);
+    CHECK(std::string(st.what()).find("CUDA graph") != std::string::npos);
+  };
+  for (const bool mirrored : {false, true}) {
+    INFO((mirrored ? "with" : "without") << " host mirrors");
+    captured([&] {
+      return gpu::attend_paged_cuda_on<T>(stream, p, bhsd<const T>(dq.ptr, p.q_dims()),
+                                          mirrored ? kv.with_host_tables(c.table.data(), c.lens.data()) : kv,
+                                          bhsd(d_o.ptr, p.o_dims()), causal{align::bottom_right}, dlse.ptr);
+    });
+    captured([&] {
+      const ragged_batch rb{2, cq.ptr, ck.ptr};
+      return gpu::attend_ragged_cuda_on<T>(
+          stream, pr, mirrored ? rb.with_host_offsets(cu_q.data(), cu_kv.data()) : rb,
+          bshd<const T>(rq.ptr, pr.q_dims()), bshd<const T>(rk.ptr, pr.kv_dims()), bshd<const T>(rv.ptr, pr.kv_dims()),
+          bshd(ro.ptr, pr.o_dims()), causal{align::bottom_right}, rlse.ptr);
+    });
+  }
+  CHECK(cudaStreamSynchronize(stream) == cudaSuccess);
+  for (const T x : d_o.get()) CHECK(static_cast<float>(x) == 7.0f);
+  for (const float x : dlse.get()) CHECK(x == 123.0f);
+  for (const T x : ro.get()) CHECK(static_cast<float>(x) == 7.0f);
+  for (const float x : rlse.get()) CHECK(x == 123.0f);
+  // Off capture, the same call on the same stream runs.
+  const status st = gpu::attend_paged_cuda_on<T>(stream, p, bhsd<const T>(dq.ptr, p.q_dims()),
+                                                 kv.with_host_tables(c.table.data(), c.lens.data()),
+                                                 bhsd(d_o.ptr, p.o_dims()), causal{align::bottom_right}, dlse.ptr);
+  INFO(st.what());
+  CHECK(st.ok());
+  CHECK(cudaStreamSynchronize(stream) == cudaSuccess);
+  cudaStreamDestroy(stream);
+  const std::vector<T> o = d_o.get();
+  CHECK(std::none_of(o.begin(), o.end(), [](T x) { return float(x) == 7.0f; }));
 }

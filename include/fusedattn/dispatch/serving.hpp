@@ -47,6 +47,14 @@ inline page_strides page_strides_of(page_layout layout, index_t page_size, index
 /// A paged KV cache, viewed (nothing owned): K and V pools of `pages` pages of `page_size` tokens each, with the
 /// same strides; sequence b holds seq_lens[b] keys, key j in page block_table[b · blocks_per_seq + j / page_size]
 /// at token j % page_size. Only the first ceil(seq_lens[b] / page_size) entries of a block-table row are read.
+///
+/// Host mirrors (optional, each on its own): host_block_table and host_seq_lens are host copies of block_table and
+/// seq_lens, the same values in the same layout, as a serving engine keeps them anyway. On policy::cuda, where the
+/// tables are device memory, a call validates a mirror (page ids, lengths: the checks it makes on the tables) and
+/// plans its launch from it, reads nothing back from the device and does not synchronise the stream; the kernel
+/// still reads the device table, so the two must agree (the call cannot tell). A table without a mirror is copied
+/// to the host and the stream synchronised. On the CPU policies the tables are host memory already: a mirror, when
+/// set, is compared with its table (the entries the call reads) and a difference is refused by name.
 template <class T>
 struct paged_kv {
   T* k = nullptr;                             ///< K pool
@@ -57,9 +65,21 @@ struct paged_kv {
   const std::int32_t* block_table = nullptr;  ///< [batch][blocks_per_seq] page ids
   index_t blocks_per_seq = 0;                 ///< block-table row length
   const std::int32_t* seq_lens = nullptr;     ///< [batch] keys per sequence
+  const std::int32_t* host_block_table = nullptr;  ///< optional host mirror of block_table (see above)
+  const std::int32_t* host_seq_lens = nullptr;     ///< optional host mirror of seq_lens (see above)
 
-  /// A const view of the same cache.
-  operator paged_kv<const T>() const { return {k, v, pages, page_size, stride, block_table, blocks_per_seq, seq_lens}; }
+  /// A const view of the same cache (mirrors included).
+  operator paged_kv<const T>() const {
+    return {k, v, pages, page_size, stride, block_table, blocks_per_seq, seq_lens, host_block_table, host_seq_lens};
+  }
+
+  /// The same view with host mirrors of the block table and the lengths (either may be null: no mirror).
+  paged_kv with_host_tables(const std::int32_t* host_table, const std::int32_t* host_lens) const {
+    paged_kv r = *this;
+    r.host_block_table = host_table;
+    r.host_seq_lens = host_lens;
+    return r;
+  }
 };
 
 /// A paged_kv view of pools laid out [page][kv_head][token][d] (hnd) or [page][token][kv_head][d] (nhd).
@@ -74,10 +94,25 @@ paged_kv<T> paged(T* k, T* v, index_t pages, index_t page_size, index_t heads_kv
 /// A ragged batch: `sequences` sequences packed end to end; sequence b has query tokens
 /// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_kv[b], cu_seqlens_kv[b + 1]). Both arrays hold
 /// sequences + 1 non-decreasing offsets from 0 to the total.
+///
+/// Host mirrors (optional, each on its own): host_cu_seqlens_q and host_cu_seqlens_kv are host copies of the two
+/// offset arrays, with paged_kv's mirror contract: on policy::cuda a mirror is validated and planned from, nothing is
+/// read back and the stream is not synchronised (the kernels read the device arrays, so the two must agree); on the
+/// CPU policies a mirror is compared with its array and a difference is refused by name.
 struct ragged_batch {
   index_t sequences = 0;
-  const std::int32_t* cu_seqlens_q = nullptr;
-  const std::int32_t* cu_seqlens_kv = nullptr;
+  const std::int32_t* cu_seqlens_q = nullptr;       ///< [sequences + 1] query offsets
+  const std::int32_t* cu_seqlens_kv = nullptr;      ///< [sequences + 1] key offsets
+  const std::int32_t* host_cu_seqlens_q = nullptr;  ///< optional host mirror of cu_seqlens_q
+  const std::int32_t* host_cu_seqlens_kv = nullptr; ///< optional host mirror of cu_seqlens_kv
+
+  /// The same batch with host mirrors of the offsets (either may be null: no mirror).
+  ragged_batch with_host_offsets(const std::int32_t* host_q, const std::int32_t* host_kv) const {
+    ragged_batch r = *this;
+    r.host_cu_seqlens_q = host_q;
+    r.host_cu_seqlens_kv = host_kv;
+    return r;
+  }
 };
 
 namespace detail {
@@ -110,9 +145,12 @@ inline index_t pool_span(index_t pages, index_t page_size, index_t heads_kv, ind
   return (pages - 1) * s.page + (heads_kv - 1) * s.head + (page_size - 1) * s.token + d;
 }
 
-/// Checks a paged cache against a problem: pools, page size, strides, block table, lengths and page ids.
+/// Checks a paged cache against a problem: pools, page size, strides, block table, lengths and page ids. The tables
+/// are read through kv.block_table and kv.seq_lens (host memory), named `table_name` and `lens_name`.
 template <class T>
-status check_paged(const problem& p, const paged_kv<const T>& kv) {
+status check_paged(const problem& p, const paged_kv<const T>& kv, const char* table_name = "kv.block_table",
+                   const char* lens_name = "kv.seq_lens") {
+  const std::string table_field = table_name, lens_field = lens_name;
   if (!kv.k) return status::invalid("kv.k is null");
   if (!kv.v) return status::invalid("kv.v is null");
   if (kv.page_size < 8 || kv.page_size > 256 || kv.page_size % 8 != 0)
@@ -129,8 +167,8 @@ status check_paged(const problem& p, const paged_kv<const T>& kv) {
   const index_t span = pool_span(kv.pages, kv.page_size, p.heads_kv, p.head_dim, kv.stride);
   if (!fits_address_space(kv.k, span * index_t(sizeof(T))) || !fits_address_space(kv.v, span * index_t(sizeof(T))))
     return status::invalid("kv: the pools run past the end of the address space");
-  if (!kv.block_table) return status::invalid("kv.block_table is null");
-  if (!kv.seq_lens) return status::invalid("kv.seq_lens is null");
+  if (!kv.block_table) return status::invalid(table_field + " is null");
+  if (!kv.seq_lens) return status::invalid(lens_field + " is null");
   if (kv.blocks_per_seq <= 0)
     return status::invalid("kv.blocks_per_seq is " + str(kv.blocks_per_seq) + "; it must be positive");
   index_t capacity = 0;
@@ -140,18 +178,39 @@ status check_paged(const problem& p, const paged_kv<const T>& kv) {
   for (index_t s = 0; s < p.batch; ++s) {
     const index_t len = kv.seq_lens[s];
     const std::string at = "[" + str(s) + "]";
-    if (len < 0) return status::invalid("kv.seq_lens" + at + " is " + str(len) + "; it must be >= 0");
+    if (len < 0) return status::invalid(lens_field + at + " is " + str(len) + "; it must be >= 0");
     if (len > capacity)
-      return status::invalid("kv.seq_lens" + at + " is " + str(len) + ", beyond the sequence's pages: " +
+      return status::invalid(lens_field + at + " is " + str(len) + ", beyond the sequence's pages: " +
                              str(kv.blocks_per_seq) + " block-table entries of " + str(kv.page_size) + " tokens");
     if (len > p.seq_kv)
-      return status::invalid("kv.seq_lens" + at + " is " + str(len) + ", beyond problem.seq_kv = " + str(p.seq_kv));
+      return status::invalid(lens_field + at + " is " + str(len) + ", beyond problem.seq_kv = " + str(p.seq_kv));
     for (index_t j = 0; j < (len + kv.page_size - 1) / kv.page_size; ++j) {
       const index_t page = kv.block_table[s * kv.blocks_per_seq + j];
       if (page < 0 || page >= kv.pages)
-        return status::invalid("kv.block_table" + at + "[" + str(j) + "] is " + str(page) +
+        return status::invalid(table_field + at + "[" + str(j) + "] is " + str(page) +
                                "; page ids must be in [0, kv.pages = " + str(kv.pages) + ")");
     }
+  }
+  return {};
+}
+
+/// The CPU policies' mirror check (after check_paged passed on the tables): each host mirror that is set holds its
+/// table's values where the call reads them (every length; the first ceil(len / page_size) entries of each row).
+template <class T>
+status check_paged_mirrors(const problem& p, const paged_kv<const T>& kv) {
+  const std::string hint = "; a host mirror must hold the same values as its table";
+  for (index_t s = 0; s < p.batch; ++s) {
+    const std::string at = "[" + str(s) + "]";
+    if (kv.host_seq_lens && kv.host_seq_lens[s] != kv.seq_lens[s])
+      return status::invalid("kv.host_seq_lens" + at + " is " + str(kv.host_seq_lens[s]) + " but kv.seq_lens" + at +
+                             " is " + str(kv.seq_lens[s]) + hint);
+    if (kv.host_block_table)
+      for (index_t j = 0; j < (index_t(kv.seq_lens[s]) + kv.page_size - 1) / kv.page_size; ++j) {
+        const index_t e = s * kv.blocks_per_seq + j;
+        if (kv.host_block_table[e] != kv.block_table[e])
+          return status::invalid("kv.host_block_table" + at + "[" + str(j) + "] is " + str(kv.host_block_table[e]) +
+                                 " but kv.block_table" + at + "[" + str(j) + "] is " + str(kv.block_table[e]) + hint);
+      }
   }
   return {};
 }
@@ -168,6 +227,17 @@ inline status check_offsets(const char* name, const std::int32_t* cu, index_t n,
   if (cu[n] != total)
     return status::invalid(f + "[" + str(n) + "] is " + str(cu[n]) + " but " + total_name + " (the total) is " +
                            str(total));
+  return {};
+}
+
+/// The CPU policies' check of an offsets mirror (after check_offsets passed on `cu`): null, or the same n + 1 values.
+inline status check_offsets_mirror(const char* name, const std::int32_t* cu, const std::int32_t* mirror, index_t n) {
+  if (!mirror) return {};
+  for (index_t b = 0; b <= n; ++b)
+    if (mirror[b] != cu[b])
+      return status::invalid(std::string("ragged.host_") + name + "[" + str(b) + "] is " + str(mirror[b]) +
+                             " but ragged." + name + "[" + str(b) + "] is " + str(cu[b]) +
+                             "; a host mirror must hold the same values as its array");
   return {};
 }
 
@@ -212,25 +282,47 @@ status attend_paged_impl(const Policy& pol, const problem& p, const tensor_ref<c
   if constexpr (mixed && !is_cpu_flash<Policy>::value) {
     return mixed_unsupported();
   } else {
-    paged_kv<const KV> kv_host = kv;  // the cache with host-readable tables: policy::cuda copies them from the device
+    // The cache with host-readable tables: on policy::cuda each table is its host mirror or a copy from the device.
+    paged_kv<const KV> kv_host = kv;
+    const char* table_name = "kv.block_table";
+    const char* lens_name = "kv.seq_lens";
 #if FUSEDATTN_WITH_CUDA
     std::vector<std::int32_t> table_copy, lens_copy;
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
       const auto stream = static_cast<cudaStream_t>(pol.stream);
-      if (kv.seq_lens && p.batch > 0) {
+      if (status st = cuda_backend::serving_refuses_capture(stream, "attend_paged"); !st) return st;
+      if (kv.host_seq_lens) {
+        if (status st =
+                cuda_backend::check_mirror(kv.seq_lens, kv.host_seq_lens, "kv.seq_lens", "kv.host_seq_lens");
+            !st)
+          return st;
+        kv_host.seq_lens = kv.host_seq_lens;
+        lens_name = "kv.host_seq_lens";
+      } else if (kv.seq_lens && p.batch > 0) {
         if (status st = cuda_backend::table_to_host(kv.seq_lens, p.batch, lens_copy, stream, "kv.seq_lens"); !st)
           return st;
         kv_host.seq_lens = lens_copy.data();
       }
       index_t entries = 0;
-      if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 && mul_ok(p.batch, kv.blocks_per_seq, entries)) {
+      if (kv.host_block_table) {
+        if (status st = cuda_backend::check_mirror(kv.block_table, kv.host_block_table, "kv.block_table",
+                                                   "kv.host_block_table");
+            !st)
+          return st;
+        kv_host.block_table = kv.host_block_table;
+        table_name = "kv.host_block_table";
+      } else if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 &&
+                 mul_ok(p.batch, kv.blocks_per_seq, entries)) {
         if (status st = cuda_backend::table_to_host(kv.block_table, entries, table_copy, stream, "kv.block_table"); !st)
           return st;
         kv_host.block_table = table_copy.data();
       }
     }
 #endif
-    if (status st = check_paged(p, kv_host); !st) return st;
+    if (status st = check_paged(p, kv_host, table_name, lens_name); !st) return st;
+    if constexpr (!std::is_same<Policy, policy::cuda>::value) {
+      if (status st = check_paged_mirrors(p, kv); !st) return st;
+    }
     if (!proven_disjoint(rows_disjoint(o)))
       return status::invalid("o: its strides make distinct rows share memory (or could not be proven not to)");
     const index_t bytes_o = span_elements(o) * index_t(sizeof(T));
@@ -336,19 +428,37 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
   } else {
     if (rb.sequences <= 0)
       return status::invalid("ragged.sequences is " + str(rb.sequences) + "; it must be positive");
-    ragged_batch rb_host = rb;  // offsets the host can read: policy::cuda copies them from the device
+    // Offsets the host can read: on policy::cuda each array is its host mirror or a copy from the device.
+    ragged_batch rb_host = rb;
+    const char* q_name = "cu_seqlens_q";
+    const char* kv_name = "cu_seqlens_kv";
 #if FUSEDATTN_WITH_CUDA
     std::vector<std::int32_t> cu_q_copy, cu_kv_copy;
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
       const auto stream = static_cast<cudaStream_t>(pol.stream);
-      if (rb.cu_seqlens_q) {
+      if (status st = cuda_backend::serving_refuses_capture(stream, "attend_ragged"); !st) return st;
+      if (rb.host_cu_seqlens_q) {
+        if (status st = cuda_backend::check_mirror(rb.cu_seqlens_q, rb.host_cu_seqlens_q, "ragged.cu_seqlens_q",
+                                                   "ragged.host_cu_seqlens_q");
+            !st)
+          return st;
+        rb_host.cu_seqlens_q = rb.host_cu_seqlens_q;
+        q_name = "host_cu_seqlens_q";
+      } else if (rb.cu_seqlens_q) {
         if (status st = cuda_backend::table_to_host(rb.cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream,
                                                     "ragged.cu_seqlens_q");
             !st)
           return st;
         rb_host.cu_seqlens_q = cu_q_copy.data();
       }
-      if (rb.cu_seqlens_kv) {
+      if (rb.host_cu_seqlens_kv) {
+        if (status st = cuda_backend::check_mirror(rb.cu_seqlens_kv, rb.host_cu_seqlens_kv, "ragged.cu_seqlens_kv",
+                                                   "ragged.host_cu_seqlens_kv");
+            !st)
+          return st;
+        rb_host.cu_seqlens_kv = rb.host_cu_seqlens_kv;
+        kv_name = "host_cu_seqlens_kv";
+      } else if (rb.cu_seqlens_kv) {
         if (status st = cuda_backend::table_to_host(rb.cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream,
                                                     "ragged.cu_seqlens_kv");
             !st)
@@ -357,11 +467,17 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
       }
     }
 #endif
-    if (status st = check_offsets("cu_seqlens_q", rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
+    if (status st = check_offsets(q_name, rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
       return st;
-    if (status st = check_offsets("cu_seqlens_kv", rb_host.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv");
-        !st)
+    if (status st = check_offsets(kv_name, rb_host.cu_seqlens_kv, rb.sequences, p.seq_kv, "problem.seq_kv"); !st)
       return st;
+    if constexpr (!std::is_same<Policy, policy::cuda>::value) {
+      if (status st = check_offsets_mirror("cu_seqlens_q", rb.cu_seqlens_q, rb.host_cu_seqlens_q, rb.sequences); !st)
+        return st;
+      if (status st = check_offsets_mirror("cu_seqlens_kv", rb.cu_seqlens_kv, rb.host_cu_seqlens_kv, rb.sequences);
+          !st)
+        return st;
+    }
     constexpr bool flash = is_cpu_flash<Policy>::value;
     constexpr bool naive = std::is_same<Policy, policy::cpu_naive>::value;
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
@@ -452,14 +568,19 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
 /// to (p.seq_q, seq_lens[b]) (so causal{align::bottom_right} puts the queries at the end of each sequence: decode
 /// with seq_q = 1, chunked prefill and speculative decode with seq_q > 1). GQA as in attend.
 ///
-/// @param pol   policy::cpu<Arch>{threads, tiles}, or policy::cuda{stream} (every pointer device memory; the block
-///              table and lengths are copied to the host and the stream synchronised to validate them, so the call is
-///              not graph-capturable; f16/bf16, head_dim 64/128/256, group size × seq_q <= 16, score modifiers
-///              too: other shapes return errc::unsupported); other policies return errc::unsupported.
+/// @param pol   policy::cpu<Arch>{threads, tiles}, or policy::cuda{stream} (every pointer device memory except the
+///              host mirrors; the call validates the block table and lengths on the host and plans its launch from
+///              them: from kv.host_block_table / kv.host_seq_lens where set, with nothing read back and no
+///              synchronisation, otherwise from copies read back with the stream synchronised; a stream being
+///              captured into a CUDA graph is refused (errc::unsupported), with or without mirrors, since the plan
+///              fixed at capture would read too few keys on a replay with longer sequences; f16/bf16, head_dim
+///              64/128/256, group size × seq_q <= 16, score modifiers too: other shapes return
+///              errc::unsupported); other policies return errc::unsupported.
 /// @param p     batch = sequences, heads, heads_kv, seq_q = query rows per sequence, seq_kv = the most keys a
 ///              sequence holds (every seq_lens[b] <= seq_kv <= blocks_per_seq · page_size), head_dim, scale.
 /// @param q     (batch, heads, seq_q, head_dim) view; o the same shape, not overlapping any input.
-/// @param kv    the cache (see paged_kv); pools of heads_kv heads of head_dim values per token.
+/// @param kv    the cache (see paged_kv); pools of heads_kv heads of head_dim values per token; optional host
+///              mirrors of its tables (policy::cuda plans from them; the CPU policies check them against the tables).
 /// @param mask  dense{}, causal{align}, window{left, right, align}, each optionally with score modifiers
 ///              (`mask | fa::softcap{cap} | fa::alibi{slopes, align} | fa::sinks{logits}`; ALiBi's alignment, like
 ///              the mask's, is bound to each sequence's own lengths).
@@ -471,7 +592,8 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
 /// CPU flash policies only (others return errc::unsupported); K and V rows are widened to f32 exactly as they are
 /// read, so the result is the all-f32 call's on the widened cache.
 /// @return ok; errc::invalid_argument naming the field and value (a page id out of range, a length beyond the
-///         sequence's pages, a block table too short, ...), nothing written; errc::unsupported;
+///         sequence's pages, a block table too short, a mirror that differs from its table on a CPU policy, ...),
+///         nothing written; errc::unsupported;
 ///         errc::out_of_memory (nothing written).
 template <class Policy, class T, class Mask = dense>
 status attend_paged(const Policy& pol, const problem& p, tensor_ref<const detail::identity_t<T>> q,
@@ -485,9 +607,7 @@ template <class Policy, class KV, class Mask = dense,
           std::enable_if_t<is_half_kv_v<std::remove_const_t<KV>>, int> = 0>
 status attend_paged(const Policy& pol, const problem& p, tensor_ref<const float> q, const paged_kv<KV>& kv,
                     tensor_ref<float> o, const Mask& mask = {}, float* lse = nullptr) {
-  const paged_kv<const std::remove_const_t<KV>> ckv{kv.k,           kv.v,           kv.pages,   kv.page_size,
-                                                    kv.stride,      kv.block_table, kv.blocks_per_seq,
-                                                    kv.seq_lens};
+  const paged_kv<const std::remove_const_t<KV>> ckv = kv;  // mirrors included
   return detail::attend_paged_impl<Policy, float, std::remove_const_t<KV>, Mask>(pol, p, q, ckv, o, mask, lse);
 }
 
@@ -496,13 +616,16 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const float>
 /// (views of batch extent 1, e.g. bshd views of [total_tokens][heads][head_dim] buffers). Sequence b attends its
 /// own keys only, with the mask bound to its own lengths (its own causal alignment).
 ///
-/// @param pol   policy::cpu<Arch>{}, policy::cpu_naive{}, or policy::cuda{stream} (device pointers; the offsets are
-///              copied to the host and the stream synchronised to validate them; every sequence with the same query
-///              count and a decode shape runs one cuda.decode launch, anything else attend's CUDA kernels one
-///              sequence at a time; score modifiers on both); other policies return errc::unsupported.
+/// @param pol   policy::cpu<Arch>{}, policy::cpu_naive{}, or policy::cuda{stream} (device pointers except the host
+///              mirrors; the offsets are validated and the launch planned on the host, from rb.host_cu_seqlens_q /
+///              rb.host_cu_seqlens_kv where set, with nothing read back and no synchronisation, otherwise from copies
+///              read back with the stream synchronised; a capturing stream is refused as in attend_paged; every
+///              sequence with the same query count and a decode shape runs one cuda.decode launch, anything else
+///              attend's CUDA kernels one sequence at a time; score modifiers on both); other policies return
+///              errc::unsupported.
 /// @param p     batch = 1, seq_q = total query tokens, seq_kv = total keys; heads, heads_kv, head_dim, scale.
 /// @param rb    the sequences and their cumulative offsets (rb.cu_seqlens_q ends at p.seq_q, cu_seqlens_kv at
-///              p.seq_kv).
+///              p.seq_kv), with optional host mirrors (see ragged_batch).
 /// @param mask  as attend_paged's.
 /// @param lse   optional, heads·total_q floats laid out [h][token]; a row that sees no key gets O = 0, lse = −inf
 ///              (the head's sink logit with sinks).
@@ -512,7 +635,8 @@ status attend_paged(const Policy& pol, const problem& p, tensor_ref<const float>
 /// policies only (others, cpu_naive included, return errc::unsupported); K and V rows are widened to f32 exactly
 /// as they are read.
 /// @return ok; errc::invalid_argument naming the field and value (offsets not starting at 0, decreasing, or not
-///         ending at the total, ...), nothing written; errc::unsupported; errc::out_of_memory.
+///         ending at the total, a mirror that differs from its array on a CPU policy, ...), nothing written;
+///         errc::unsupported; errc::out_of_memory.
 template <class Policy, class T, class Mask = dense>
 status attend_ragged(const Policy& pol, const problem& p, const ragged_batch& rb,
                      tensor_ref<const detail::identity_t<T>> q, tensor_ref<const detail::identity_t<T>> k,

@@ -1,7 +1,8 @@
 /// @file serving.cuh
 /// The CUDA side of attend_paged and attend_ragged (dispatch/serving.hpp): the block table, lengths and offsets are
-/// copied to the host for validation, decode shapes run the decode kernel (decode.cuh) on the cache in place, and
-/// ragged batches of other shapes run attend's CUDA kernels one sequence at a time.
+/// validated on the host (the caller's host mirrors, or copies read back from the device), decode shapes run the
+/// decode kernel (decode.cuh) on the cache in place, and ragged batches of other shapes run attend's CUDA kernels
+/// one sequence at a time.
 #pragma once
 
 #include <algorithm>
@@ -17,16 +18,25 @@
 namespace fusedattn {
 namespace cuda_backend {
 
-/// Copies `n` int32 values of a device array to `host` on `stream` and waits for them; refused while the stream is
-/// being captured into a CUDA graph (validation reads them before the call returns).
-inline status table_to_host(const std::int32_t* dev, index_t n, std::vector<std::int32_t>& host, cudaStream_t stream,
-                            const char* name) {
-  if (status st = check_device_pointer(dev, name); !st) return st;
+/// Refuses a stream being captured into a CUDA graph: a serving call plans its launch (split count, keys per split)
+/// from the lengths it reads at call time, so a graph replayed with longer sequences would silently read too few
+/// keys. `call` names the entry point.
+inline status serving_refuses_capture(cudaStream_t stream, const char* call) {
   bool capturing = false;
   if (status st = stream_capturing(stream, capturing); !st) return st;
   if (capturing)
-    return {errc::unsupported, std::string("policy::cuda's serving calls read ") + name +
-                                   " on the host to validate it, which a CUDA graph capture cannot do"};
+    return {errc::unsupported, std::string(call) +
+                                   " on policy::cuda cannot be captured into a CUDA graph: it plans its launch (split "
+                                   "count, keys per split) from the lengths at call time, and a replay with longer "
+                                   "sequences would read too few keys"};
+  return {};
+}
+
+/// Copies `n` int32 values of a device array to `host` on `stream` and waits for them (validation reads them before
+/// the call returns; the caller has refused a capturing stream).
+inline status table_to_host(const std::int32_t* dev, index_t n, std::vector<std::int32_t>& host, cudaStream_t stream,
+                            const char* name) {
+  if (status st = check_device_pointer(dev, name); !st) return st;
   try {
     host.resize(static_cast<std::size_t>(n));
   } catch (const std::bad_alloc&) {
@@ -41,8 +51,25 @@ inline status table_to_host(const std::int32_t* dev, index_t n, std::vector<std:
   return from_cuda(cudaStreamSynchronize(stream), name);
 }
 
-/// attend_paged on policy::cuda after validation (tables checked on their host copies): the decode kernel on the
-/// cache in place. `bind_len(L)` is the call's mask bound to seq_q rows and L keys; `max_len` the longest sequence.
+/// Checks a device array and its host mirror before the call plans from the mirror (nothing is read back): the
+/// device array (`dev_name`, which the kernel reads) is set and in device memory, the mirror (`host_name`) is not in
+/// device memory (the host reads it). Managed memory serves as either.
+inline status check_mirror(const std::int32_t* dev, const std::int32_t* host, const char* dev_name,
+                           const char* host_name) {
+  if (dev == nullptr) return status::invalid(std::string(dev_name) + " is null");
+  if (status st = check_device_pointer(dev, dev_name); !st) return st;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, host) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  if (attr.type == cudaMemoryTypeDevice)
+    return status::invalid(std::string(host_name) + " is device memory; it must be the host copy of " + dev_name);
+  return {};
+}
+
+/// attend_paged on policy::cuda after validation (tables checked on the host, mirrors or copies): the decode kernel
+/// on the cache in place (it reads the device block table and lengths). `bind_len(L)` is the call's mask bound to seq_q rows and L keys; `max_len` the longest sequence.
 template <class T, class KV, class BindLen>
 status attend_paged(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const KV& kv,
                     const tensor_ref<T>& o, BindLen&& bind_len, float* lse, index_t max_len) {
@@ -70,8 +97,8 @@ status attend_paged(const policy::cuda& pol, const problem& p, const tensor_ref<
   return launch_decode<T>(p, dp, max_len, static_cast<cudaStream_t>(pol.stream));
 }
 
-/// attend_ragged on policy::cuda after validation (offsets checked on their host copies cu_q, cu_kv; the device
-/// arrays are dev_cu_kv). Every sequence with the same query count n and a decode shape: one decode launch over the
+/// attend_ragged on policy::cuda after validation (offsets checked on the host: cu_q, cu_kv, mirrors or copies; the
+/// device array of key offsets is dev_cu_kv). Every sequence with the same query count n and a decode shape: one decode launch over the
 /// packed K/V. Otherwise attend's CUDA kernels run one sequence at a time (flash where it applies), each sequence's
 /// lse copied into its place. `bind_len(n, L)` binds the mask to n rows and L keys.
 template <class T, class BindLen>
