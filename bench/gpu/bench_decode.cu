@@ -1,6 +1,7 @@
 // GQA decode on policy::cuda (cuda.decode): GB/s of K+V read for batch 1, 8, 64 × S_kv 4096, 32768, 131072, 32 query
 // heads / 8 kv heads, head_dim 128, bf16, one query row per sequence, bottom-right causal; contiguous K/V (attend)
-// and paged caches of 16 and 64 tokens a page in vLLM's layout with shuffled block tables (attend_paged). Each call
+// and paged caches of 16 and 64 tokens a page in vLLM's layout with shuffled block tables (attend_paged, passed the
+// host mirrors of the block table and lengths, as a serving engine keeps them, so nothing is read back). Each call
 // reads another copy of the cache (copies spanning at least 1 GiB) so that L2 holds none of it. One line per row:
 //   decode/bf16/<contig|paged16|paged64>/b{B}_h32_hkv8_skv{S}_d128  <µs per call>  <GB/s>
 // `bench/peers/torch_peer.py --device cuda --decode` times PyTorch's SDPA (cuDNN, flash) on the same shapes, in the
@@ -116,7 +117,8 @@ int main() {
         auto call = [&](int c) {
           const T* k = reinterpret_cast<const T*>(pool + 2 * per_copy * c);
           const T* v = k + per_copy;
-          const auto kv = fa::paged<const T>(k, v, fa::index_t(pages), page, heads_kv, d, fa::page_layout::nhd, dt, blocks, dl);
+          const auto kv = fa::paged<const T>(k, v, fa::index_t(pages), page, heads_kv, d, fa::page_layout::nhd, dt, blocks, dl)
+                              .with_host_tables(table.data(), lens.data());
           const fa::status st = fa::attend_paged(fa::policy::cuda{}, p, qv, kv, ov, mask);
           if (!st) std::fprintf(stderr, "attend_paged: %s\n", st.what());
         };
