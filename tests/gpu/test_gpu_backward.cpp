@@ -21,7 +21,8 @@ using namespace fusedattn::testing;
 
 namespace {
 
-/// Device copies of a case's buffers and the views over them; `read` copies dQ, dK, dV back into the case.
+/// Device copies of a case's buffers and the views over them; `read` copies dQ, dK, dV back into the case,
+/// `launch_and_read` runs one backward call on them and reads its gradients back.
 template <class T>
 struct bwd_device {
   backward_case<T>& c;
@@ -53,6 +54,19 @@ struct bwd_device {
     dq.copy_to(c.dq.buf);
     dk.copy_to(c.dk.buf);
     dv.copy_to(c.dv.buf);
+  }
+  /// Requires the buffers, then `launch()` (a backward call on them, returning its status) and the device's
+  /// synchronisation to succeed, each status's reason in the message; then reads dQ, dK, dV back.
+  template <class Launch>
+  void launch_and_read(Launch&& launch) {
+    REQUIRE(ok());
+    const status st = launch();
+    INFO(st.what());
+    REQUIRE(st.ok());
+    const status sync = gpu::synchronize();
+    INFO(sync.what());
+    REQUIRE(sync.ok());
+    read();
   }
 };
 
@@ -127,14 +141,7 @@ void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool u
                         << (uploaded ? " (device layout)" : "") << " seed=" << seed);
   c.forward(mask);
   bwd_device<T> dev(c);
-  REQUIRE(dev.ok());
-  const status st = dev.run(mask, uploaded);
-  INFO(st.what());
-  REQUIRE(st.ok());
-  const status sync = gpu::synchronize();
-  INFO(sync.what());
-  REQUIRE(sync.ok());
-  dev.read();
+  dev.launch_and_read([&] { return dev.run(mask, uploaded); });
   check_gradients(c, mask, [](const auto&... a) { return plain_backward_16(a...); });
 }
 
@@ -169,16 +176,11 @@ void check_backward_mods_gpu(const problem& p, const any_mask& mask, bool cap, b
                         << (sink ? " sinks" : "") << " seed=" << seed);
   c.forward(on_host);
   bwd_device<T> dev(c);
-  REQUIRE(dev.ok());
-  const status st = gpu::attend_backward_cuda_mods<T>(
-      p, dev.in(c.q, dev.q), dev.in(c.k, dev.k), dev.in(c.v, dev.v), dev.in(c.o, dev.o), dev.in(c.d_o, dev.d_o),
-      dev.lse.data(), dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk), dev.out(c.dv, dev.dv), on_device);
-  INFO(st.what());
-  REQUIRE(st.ok());
-  const status sync = gpu::synchronize();
-  INFO(sync.what());
-  REQUIRE(sync.ok());
-  dev.read();
+  dev.launch_and_read([&] {
+    return gpu::attend_backward_cuda_mods<T>(
+        p, dev.in(c.q, dev.q), dev.in(c.k, dev.k), dev.in(c.v, dev.v), dev.in(c.o, dev.o), dev.in(c.d_o, dev.d_o),
+        dev.lse.data(), dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk), dev.out(c.dv, dev.dv), on_device);
+  });
   d_dsink.copy_to(dsink);
   std::visit(
       [&](const auto& m) {
@@ -288,10 +290,7 @@ TEST_CASE("cuda backward is deterministic: bitwise the same dQ, dK, dV on every 
     std::vector<T> first[3];
     for (int run = 0; run < 3; ++run) {
       bwd_device<T> dev(c);
-      REQUIRE(dev.ok());
-      REQUIRE(dev.run(mask).ok());
-      REQUIRE(gpu::synchronize().ok());
-      dev.read();
+      dev.launch_and_read([&] { return dev.run(mask); });
       const std::vector<T>* now[3] = {&c.dq.buf, &c.dk.buf, &c.dv.buf};
       for (int x = 0; x < 3; ++x) {
         if (run == 0) first[x] = *now[x];
