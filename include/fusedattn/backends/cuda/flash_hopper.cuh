@@ -497,13 +497,126 @@ inline constexpr int hopper_consumer_registers =
 static_assert(hopper_consumer_registers<2> == 240 && hopper_consumer_registers<3> == 160 &&
               hopper_consumer_registers<4> == 112);
 
+/// One work item of the warp-specialised kernel: a q-block of one (batch, head) and one split-KV part.
+struct hopper_item {
+  int m_block, h, b, split;
+};
+
+/// The tile scheduler of flash_hopper_ws_kernel: the block's n-th item is index(n) = blockIdx.x + n·gridDim.x (a
+/// persistent grid of one block per SM, or one block per item), while index(n) < items; at(x) is item x, in the
+/// order of flash_hopper_kernel's grid: the q-blocks of one (batch, head) together, heaviest (under a causal mask:
+/// the last) first; then heads, splits, batch. Or (p.q_block_major) the last q-block of every head first, then the
+/// one before ..., dealt in a snake: the other way round every second round, so that the block handed the heaviest
+/// item of one round gets the lightest of the next. A view of the kernel's parameters and of the counts it formed
+/// (references: the producer and the consumers read them where the kernel keeps them); `BM` is the tile's block_m.
+/// Its members are inlined as ordinary functions, not forced: forcing them changes ptxas's schedule of the kernel.
+template <class Mask, int BM>
+struct hopper_ws_scheduler {
+  const flash_params_t<Mask>& p;
+  const int& q_blocks;  ///< q-blocks per (batch, head): (p.seq_q + BM − 1) / BM
+  const int& items;     ///< work items of the call: q_blocks · heads · splits · batch
+  /// Item x.
+  __device__ hopper_item at(int x) const {
+    hopper_item it;
+    if (p.q_block_major) {
+      const int per_q_block = p.heads * p.splits * p.batch;
+      it.m_block = q_blocks - 1 - x / per_q_block;
+      x %= per_q_block;
+    } else {
+      it.m_block = q_blocks - 1 - x % q_blocks;
+      x /= q_blocks;
+    }
+    it.h = x % p.heads;
+    x /= p.heads;
+    it.split = x % p.splits;
+    it.b = x / p.splits;
+    return it;
+  }
+  /// The block's n-th item.
+  __device__ int index(int n) const {
+    const int g = static_cast<int>(gridDim.x), bx = static_cast<int>(blockIdx.x);
+    return n * g + (p.q_block_major && (n & 1) ? g - 1 - bx : bx);
+  }
+};
+
+/// The producer of flash_hopper_ws_kernel, run by one thread of warpgroup 0: walks the block's items (`sched`) and
+/// their key tiles (key_tiles) and issues the TMA copies of Q, K and V into the buffers as the consumers free them
+/// ("empty" mbarriers), writing beside each K buffer the tile's keys, its run and whether it ends its item, and beside
+/// each Q buffer the item and whether it has a key tile. With two Q buffers the next item's Q is issued once the
+/// current item's second key tile is (not after its last), so it has landed when the consumers turn to it.
+/// Buffers are used round robin: item n in Q buffer n % QB, the block's key tile kt in K and V buffer kt % 2; a
+/// "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
+/// It forms the shared-memory layout from the dynamic array itself, as the kernel does (the arithmetic then folds
+/// into each access as in one function; handed the kernel's pointers, ptxas schedules the kernel differently).
+template <class E, class Tile, class Mask>
+__device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
+                                                  const hopper_ws_scheduler<Mask, Tile::block_m>& sched) {
+  constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, QB = Tile::q_buffers;
+  constexpr std::uint32_t atom = Tile::atom_bytes;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t raw = smem_address(smem_raw);
+  E* sq = reinterpret_cast<E*>(smem_raw + ((raw + atom - 1) / atom * atom - raw));  // [QB][BM][D] in panels
+  E* sk = sq + QB * BM * D;                                                          // [2][BN][D] in panels
+  E* sv = sk + 2 * BN * D;                                                           // [2][BN][D] in panels
+  hopper_ws_shared& ws = *reinterpret_cast<hopper_ws_shared*>(sv + 2 * BN * D);
+  // One tile of `rows` rows at (row, head, batch), panel by panel, completing on `bar`.
+  auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int row, int head, int batch, int rows,
+                      std::uint64_t* bar) {
+    int at[3];
+    for (int i = 0; i < 3; ++i) at[i] = order[i] == 1 ? row : order[i] == 2 ? head : batch;
+    mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
+    for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
+  };
+  // Item n's Q into buffer n % QB, once the consumers have freed it, with the item and whether it has a key tile
+  // (the loop below walks the item again for its tiles: a second at() and first() on this one thread).
+  auto load_q = [&](int n) {
+    const int x = sched.index(n);
+    if (x >= sched.items) return;
+    const hopper_item it = sched.at(x);
+    const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+    key_tiles<Mask, BN> tiles(head_mask(p.mask, it.b, it.h), q0, q1);
+    const int qb = n % QB;
+    mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
+    // Published by the arrival below (release): the consumers read the item from here.
+    ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
+    ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
+    tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
+  };
+  constexpr bool early_q = QB > 1;
+  if (early_q) load_q(0);
+  int kt = 0;
+  for (int n = 0, x = sched.index(0); x < sched.items; x = sched.index(++n)) {
+    const hopper_item it = sched.at(x);
+    const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+    const Mask mask = head_mask(p.mask, it.b, it.h);
+    key_tiles<Mask, BN> tiles(mask, q0, q1);
+    const int k_first = tiles.first(it.split, p.splits);
+    if (!early_q) load_q(n);
+    if (early_q && k_first < 0) load_q(n + 1);
+    for (int k0 = k_first, k_next, i = 0; k0 >= 0; k0 = k_next, ++kt, ++i) {
+      const int stage = kt % 2, parity = ((kt / 2) & 1) ^ 1;
+      const int seg_begin = tiles.seg_begin, seg_end = tiles.seg_end;  // the run of this tile
+      k_next = tiles.next(k0);
+      mbarrier_wait(&ws.k_empty[stage], parity);
+      ws.k0[stage] = k0;
+      ws.seg_begin[stage] = seg_begin;
+      ws.seg_end[stage] = seg_end;
+      ws.last[stage] = k_next < 0;
+      tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
+      mbarrier_wait(&ws.v_empty[stage], parity);
+      tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
+      if (early_q && (i == 1 || (k_next < 0 && i == 0))) load_q(n + 1);
+    }
+  }
+}
+
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
-/// structure: warpgroup 0 is the producer — one thread walks the work items (q-block, head, batch, split) of this
-/// block, blockIdx.x, blockIdx.x + gridDim.x, ... (a persistent grid of one block per SM, or one block per item) and
-/// their key tiles, and issues the TMA copies of Q (two buffers where they fit), K and V (two each) as soon as the
-/// consumers free a buffer ("empty" mbarriers). With two Q buffers the next item's Q is issued once the current
-/// item's second key tile is (not after its last), so it has landed when the consumers turn to it; the producer
-/// writes the item's coordinates beside its Q, so the consumers do no index arithmetic between items.
+/// structure, assembled from roles: shared state (the tiles, then hopper_ws_shared), the tile scheduler
+/// (hopper_ws_scheduler: the block's work items, q-block, head, batch, split), the producer (hopper_ws_produce:
+/// warpgroup 0, one thread issuing the TMA copies of Q (two buffers where they fit), K and V (two each) as soon as
+/// the consumers free a buffer), and the consumers below (mainloop and epilogue stay in the kernel: moved into
+/// functions of their own, the same instructions come out in another order). The producer writes the item's
+/// coordinates beside its Q, so the consumers do no index arithmetic between items.
 /// Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence with no
 /// block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. A warpgroup
 /// stages its O rows in its own rows of the item's Q buffer and one of its threads writes them with a TMA store
@@ -536,90 +649,15 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   }
   __syncthreads();
 
-  // Work item x, in the order of flash_hopper_kernel's grid: the q-blocks of one (batch, head) together, heaviest
-  // (under a causal mask: the last) first; then heads, splits, batch. Or (p.q_block_major) the last q-block of
-  // every head first, then the one before ...
+  // The work items (hopper_ws_scheduler) and the buffers' round robin (hopper_ws_produce).
   const int q_blocks = (p.seq_q + BM - 1) / BM;
   const int items = q_blocks * p.heads * p.splits * p.batch;
-  struct item_t {
-    int m_block, h, b, split;
-  };
-  auto item_at = [&](int x) {
-    item_t it;
-    if (p.q_block_major) {
-      const int per_q_block = p.heads * p.splits * p.batch;
-      it.m_block = q_blocks - 1 - x / per_q_block;
-      x %= per_q_block;
-    } else {
-      it.m_block = q_blocks - 1 - x % q_blocks;
-      x /= q_blocks;
-    }
-    it.h = x % p.heads;
-    x /= p.heads;
-    it.split = x % p.splits;
-    it.b = x / p.splits;
-    return it;
-  };
-  // The block's n-th item: blockIdx.x + n·gridDim.x; in q-block-major order a snake, the other way round every
-  // second round, so that the block handed the heaviest item of one round gets the lightest of the next.
-  auto item_index = [&](int n) {
-    const int g = static_cast<int>(gridDim.x), bx = static_cast<int>(blockIdx.x);
-    return n * g + (p.q_block_major && (n & 1) ? g - 1 - bx : bx);
-  };
-  // Buffers are used round robin: item n in Q buffer n % QB, the block's key tile kt in K and V buffer kt % 2; a
-  // "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
+  const hopper_ws_scheduler<Mask, BM> sched{p, q_blocks, items};
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: thread 0 issues every copy, the others leave
     if constexpr (Tile::warpgroups > 1) warpgroup_registers_dec<hopper_producer_registers>();
     if (threadIdx.x != 0) return;
-    auto tma_tile = [&](E* dst, const CUtensorMap& map, const int (&order)[3], int row, int head, int batch, int rows,
-                        std::uint64_t* bar) {
-      int at[3];
-      for (int i = 0; i < 3; ++i) at[i] = order[i] == 1 ? row : order[i] == 2 ? head : batch;
-      mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
-      for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
-    };
-    // Item n's Q into buffer n % QB, once the consumers have freed it, with the item and whether it has a key tile
-    // (the loop below walks the item again for its tiles: a second item_at and first() on this one thread).
-    auto load_q = [&](int n) {
-      const int x = item_index(n);
-      if (x >= items) return;
-      const item_t it = item_at(x);
-      const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-      key_tiles<Mask, BN> tiles(head_mask(p.mask, it.b, it.h), q0, q1);
-      const int qb = n % QB;
-      mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
-      // Published by the arrival below (release): the consumers read the item from here.
-      ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
-      ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
-      tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
-    };
-    constexpr bool early_q = QB > 1;
-    if (early_q) load_q(0);
-    int kt = 0;
-    for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
-      const item_t it = item_at(x);
-      const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-      const Mask mask = head_mask(p.mask, it.b, it.h);
-      key_tiles<Mask, BN> tiles(mask, q0, q1);
-      const int k_first = tiles.first(it.split, p.splits);
-      if (!early_q) load_q(n);
-      if (early_q && k_first < 0) load_q(n + 1);
-      for (int k0 = k_first, k_next, i = 0; k0 >= 0; k0 = k_next, ++kt, ++i) {
-        const int stage = kt % 2, parity = ((kt / 2) & 1) ^ 1;
-        const int seg_begin = tiles.seg_begin, seg_end = tiles.seg_end;  // the run of this tile
-        k_next = tiles.next(k0);
-        mbarrier_wait(&ws.k_empty[stage], parity);
-        ws.k0[stage] = k0;
-        ws.seg_begin[stage] = seg_begin;
-        ws.seg_end[stage] = seg_end;
-        ws.last[stage] = k_next < 0;
-        tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
-        mbarrier_wait(&ws.v_empty[stage], parity);
-        tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
-        if (early_q && (i == 1 || (k_next < 0 && i == 0))) load_q(n + 1);
-      }
-    }
+    hopper_ws_produce<E, Tile, Mask>(p, sched);
     return;
   }
 
@@ -662,7 +700,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       stored_qb = -1;
     }
   };
-  for (int n = 0, x = item_index(0); x < items; x = item_index(++n)) {
+  for (int n = 0, x = sched.index(0); x < items; x = sched.index(++n)) {
     const int qb = n % QB;
     const std::uint64_t q_desc = desc_plus(q_desc0, qb * BM * D);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -671,7 +709,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
 
     mbarrier_wait(&ws.q_full[qb], (n / QB) & 1);
     // The item, as the producer wrote it beside its Q (item_at's divisions stay off this path).
-    const item_t it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
+    const hopper_item it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
     const int q0 = it.m_block * BM;
     const int row0 = q0 + 16 * warp;
     const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
