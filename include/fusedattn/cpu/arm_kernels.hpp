@@ -278,22 +278,42 @@ inline void pv_tile(float* p, index_t ldp, const float* v, index_t chunk_stride,
   }
 }
 
-/// The Q tile (rows × d floats, row stride d, each value a bf16 widened exactly) as bf16 pairs in place: row i's
-/// slot c2 = (q[i][2c2], q[i][2c2+1]), 0 past d. Slot c2 is written after elements 2c2 and 2c2 + 1 are read.
-inline void prepare_q_pairs(float* q, index_t rows, index_t d) {
-  for (index_t i = 0; i < rows; ++i) {
-    float* row = q + i * d;
-    for (index_t c2 = 0; c2 < (d + 1) / 2; ++c2) {
-      const Eigen::bfloat16 lo(row[2 * c2]), hi(2 * c2 + 1 < d ? row[2 * c2 + 1] : 0.f);
-      put_pair(row, c2, bits(lo), bits(hi));
+/// The Arm set's packing of Q, K and V in the layouts above (simd.hpp's pair_packers, for the tile loop).
+struct pair_packing {
+  static constexpr bool pairs = true;
+
+  /// The Q tile (rows × d floats, row stride d, each value a bf16 widened exactly) as bf16 pairs in place: row i's
+  /// slot c2 = (q[i][2c2], q[i][2c2+1]), 0 past d. Slot c2 is written after elements 2c2 and 2c2 + 1 are read.
+  static void prepare_q_pairs(float* q, index_t rows, index_t d) {
+    for (index_t i = 0; i < rows; ++i) {
+      float* row = q + i * d;
+      for (index_t c2 = 0; c2 < (d + 1) / 2; ++c2) {
+        const Eigen::bfloat16 lo(row[2 * c2]), hi(2 * c2 + 1 < d ? row[2 * c2 + 1] : 0.f);
+        put_pair(row, c2, bits(lo), bits(hi));
+      }
     }
   }
-}
 
-/// Packs the Kᵀ panel of keys [k0, k0 + kn) (kn <= 16) as bf16 pairs at `kt` (layout above); `row(j)` gives the
-/// bf16 K row of key k0 + j.
+  /// Packs the Kᵀ panel of keys [k0, k0 + kn) (kn <= 16) as bf16 pairs at `kt` (layout above); `row(j)` gives the
+  /// bf16 K row of key k0 + j.
+  /// Defined below the class: a definition in it would declare it inline, which changes GCC's inlining of the
+  /// tile loop.
+  template <class RowOf>
+  static void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt);
+
+  /// Packs one V chunk row of the pair (key k, key k + 1): slot x = (v[k][c0 + x], v_next[c0 + x]), 0 past d and
+  /// where v_next is null (k + 1 = seq_kv).
+  static void pack_v_pair_row(const Eigen::bfloat16* vk, const Eigen::bfloat16* v_next, index_t c0, index_t d,
+                              float* dst) {
+    for (index_t x = 0; x < shape::vw; ++x) {
+      const index_t c = c0 + x;
+      put_pair(dst, x, c < d ? bits(vk[c]) : 0, c < d && v_next ? bits(v_next[c]) : 0);
+    }
+  }
+};
+
 template <class RowOf>
-void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
+void pair_packing::pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
   const index_t d2 = (d + 1) / 2;
   for (index_t j = 0; j < shape::cols; ++j) {
     const Eigen::bfloat16* kr = j < kn ? row(j) : nullptr;
@@ -302,19 +322,14 @@ void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
   }
 }
 
-/// Packs one V chunk row of the pair (key k, key k + 1): slot x = (v[k][c0 + x], v_next[c0 + x]), 0 past d and
-/// where v_next is null (k + 1 = seq_kv).
-inline void pack_v_pair_row(const Eigen::bfloat16* vk, const Eigen::bfloat16* v_next, index_t c0, index_t d,
-                            float* dst) {
-  for (index_t x = 0; x < shape::vw; ++x) {
-    const index_t c = c0 + x;
-    put_pair(dst, x, c < d ? bits(vk[c]) : 0, c < d && v_next ? bits(v_next[c]) : 0);
-  }
-}
-
 #undef FUSEDATTN_ARM_UNROLL
 
 }  // namespace arm
+
+/// The Arm bf16 set packs Q, K and V for the tile loop as bf16 pairs.
+template <>
+struct pair_packers<detail::arm_bf16_set> : arm::pair_packing {};
+
 }  // namespace cpu
 }  // namespace fusedattn
 

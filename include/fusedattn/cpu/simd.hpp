@@ -203,6 +203,14 @@ struct kernel_shape {
   static constexpr index_t mr = qk_mr > pv_mr ? qk_mr : pv_mr;
 };
 
+/// How the tile loop packs Q, K and V for one arch. Kernel sets whose Q·Kᵀ and P·V run on bf16 pairs specialise it
+/// beside their kernels (x86_kernels.hpp, arm_kernels.hpp) with `pairs` true and their prepare_q_pairs,
+/// pack_k_pairs and pack_v_pair_row; every other arch packs them as Acc.
+template <class Arch>
+struct pair_packers {
+  static constexpr bool pairs = false;
+};
+
 }  // namespace cpu
 }  // namespace fusedattn
 

@@ -234,22 +234,43 @@ inline void round_p_to_pairs(float* p, index_t ldp, index_t keys, index_t rows) 
   }
 }
 
-/// The Q tile (rows × d floats, row stride d, each value a bf16 widened exactly) as bf16 pairs in place: row i's
-/// slot c2 = (q[i][2c2], q[i][2c2+1]), 0 past d. Slot c2 is written after elements 2c2 and 2c2 + 1 are read.
-inline void prepare_q_pairs(float* q, index_t rows, index_t d) {
-  for (index_t i = 0; i < rows; ++i) {
-    float* row = q + i * d;
-    for (index_t c2 = 0; c2 < (d + 1) / 2; ++c2) {
-      const Eigen::bfloat16 lo(row[2 * c2]), hi(2 * c2 + 1 < d ? row[2 * c2 + 1] : 0.f);
-      put(row, c2, bf16_pair(bits(lo), bits(hi)));
+/// The bf16-pair sets' packing of Q, K and V in the layouts above (simd.hpp's pair_packers, for the tile loop).
+struct pair_packing {
+  static constexpr bool pairs = true;
+
+  /// The Q tile (rows × d floats, row stride d, each value a bf16 widened exactly) as bf16 pairs in place: row i's
+  /// slot c2 = (q[i][2c2], q[i][2c2+1]), 0 past d. Slot c2 is written after elements 2c2 and 2c2 + 1 are read.
+  static void prepare_q_pairs(float* q, index_t rows, index_t d) {
+    for (index_t i = 0; i < rows; ++i) {
+      float* row = q + i * d;
+      for (index_t c2 = 0; c2 < (d + 1) / 2; ++c2) {
+        const Eigen::bfloat16 lo(row[2 * c2]), hi(2 * c2 + 1 < d ? row[2 * c2 + 1] : 0.f);
+        put(row, c2, bf16_pair(bits(lo), bits(hi)));
+      }
     }
   }
-}
 
-/// Packs the Kᵀ panel of keys [k0, k0 + kn) (kn <= 64) as bf16 pairs at `kt` (layout above); `row(j)` gives the
-/// bf16 K row of key k0 + j.
+  /// Packs the Kᵀ panel of keys [k0, k0 + kn) (kn <= 64) as bf16 pairs at `kt` (layout above); `row(j)` gives the
+  /// bf16 K row of key k0 + j.
+  /// Defined below the class: a definition in it would declare it inline, which changes GCC's inlining of the
+  /// tile loop.
+  template <class RowOf>
+  static void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt);
+
+  /// Packs V row pairs (key k, key k + 1) of one chunk row: slot x = (v[k][c0 + x], v_next[c0 + x]), 0 past d and
+  /// where v_next is null (k + 1 = seq_kv).
+  static void pack_v_pair_row(const Eigen::bfloat16* vk, const Eigen::bfloat16* v_next, index_t c0, index_t d,
+                              float* dst) {
+    for (index_t x = 0; x < shape::vw; ++x) {
+      const index_t c = c0 + x;
+      const std::uint16_t lo = c < d ? bits(vk[c]) : 0, hi = c < d && v_next ? bits(v_next[c]) : 0;
+      put(dst, x, bf16_pair(lo, hi));
+    }
+  }
+};
+
 template <class RowOf>
-void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
+void pair_packing::pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
   const index_t d2 = (d + 1) / 2;
   for (index_t j = 0; j < shape::cols; ++j) {
     const Eigen::bfloat16* kr = j < kn ? row(j) : nullptr;
@@ -257,17 +278,6 @@ void pack_k_pairs(RowOf&& row, index_t kn, index_t d, float* kt) {
       const std::uint16_t lo = kr ? bits(kr[2 * c2]) : 0, hi = kr && 2 * c2 + 1 < d ? bits(kr[2 * c2 + 1]) : 0;
       put(kt, c2 * shape::cols + j, bf16_pair(lo, hi));
     }
-  }
-}
-
-/// Packs V row pairs (key k, key k + 1) of one chunk row: slot x = (v[k][c0 + x], v_next[c0 + x]), 0 past d and
-/// where v_next is null (k + 1 = seq_kv).
-inline void pack_v_pair_row(const Eigen::bfloat16* vk, const Eigen::bfloat16* v_next, index_t c0, index_t d,
-                            float* dst) {
-  for (index_t x = 0; x < shape::vw; ++x) {
-    const index_t c = c0 + x;
-    const std::uint16_t lo = c < d ? bits(vk[c]) : 0, hi = c < d && v_next ? bits(v_next[c]) : 0;
-    put(dst, x, bf16_pair(lo, hi));
   }
 }
 
@@ -619,6 +629,13 @@ inline void pv_tile(float* p, index_t ldp, const float* v, index_t chunk_stride,
 }
 
 }  // namespace x86
+
+/// The vdpbf16ps and AMX sets pack Q, K and V for the tile loop as bf16 pairs.
+template <>
+struct pair_packers<detail::x86_bf16_set> : x86::pair_packing {};
+template <>
+struct pair_packers<detail::x86_amx_set> : x86::pair_packing {};
+
 }  // namespace cpu
 }  // namespace fusedattn
 

@@ -209,33 +209,23 @@ struct flash_call {
 /// `kt_head` / `v_head` (f.kv_elements layout), converting to Acc (half types convert here, once per key):
 ///   Kᵀ panel: d × cols, kt[c][j] = k[pn·cols + j][c], 0 past seq_kv;
 ///   V: for each column chunk, v[key][x] = v[key][chunk·vw + x], 0 past d.
-/// K and V may have a storage type of their own (the KV source's), widened here. Under the bf16-pair kernel set
-/// (cpu::packs_bf16_pairs_v<Arch>) both are packed as bf16 pairs instead, in the same places (x86_kernels.hpp).
+/// K and V may have a storage type of their own (the KV source's), widened here. Under a bf16-pair kernel set
+/// (cpu::pair_packers<Arch>::pairs) both are packed as bf16 pairs instead, in the same places, by the set's packers
+/// (x86_kernels.hpp, arm_kernels.hpp).
 template <class T, class Arch = scalar_arch, class Acc, class KV>
 void pack_panel(const KV& kv, const flash_plan& f, index_t seq_kv, index_t b, index_t h_kv, index_t pn, Acc* kt_head,
                 Acc* v_head) {
   const index_t k0 = pn * f.cols, kn = std::min(f.cols, seq_kv - k0);
   Acc* kt = kt_head + pn * f.d * f.cols;
-#if FUSEDATTN_X86_KERNELS
-  if constexpr (cpu::packs_bf16_pairs_v<Arch>) {
-    cpu::x86::pack_k_pairs([&](index_t j) { return kv.k_row(b, h_kv, k0 + j); }, kn, f.d, kt);
+  if constexpr (cpu::pair_packers<Arch>::pairs) {
+    using packers = cpu::pair_packers<Arch>;
+    packers::pack_k_pairs([&](index_t j) { return kv.k_row(b, h_kv, k0 + j); }, kn, f.d, kt);
     for (index_t j = k0; j < k0 + kn; ++j)
       for (index_t ch = 0; ch < f.v_chunks; ++ch)
-        cpu::x86::pack_v_pair_row(kv.v_row(b, h_kv, j), j + 1 < seq_kv ? kv.v_row(b, h_kv, j + 1) : nullptr,
-                                  ch * f.vw, f.d, v_head + (ch * seq_kv + j) * f.vw);
+        packers::pack_v_pair_row(kv.v_row(b, h_kv, j), j + 1 < seq_kv ? kv.v_row(b, h_kv, j + 1) : nullptr,
+                                 ch * f.vw, f.d, v_head + (ch * seq_kv + j) * f.vw);
     return;
   }
-#endif
-#if FUSEDATTN_ARM_BF16_KERNELS
-  if constexpr (cpu::is_arm_bf16_set_v<Arch>) {  // the same pair layouts with the NEON blocking (arm_kernels.hpp)
-    cpu::arm::pack_k_pairs([&](index_t j) { return kv.k_row(b, h_kv, k0 + j); }, kn, f.d, kt);
-    for (index_t j = k0; j < k0 + kn; ++j)
-      for (index_t ch = 0; ch < f.v_chunks; ++ch)
-        cpu::arm::pack_v_pair_row(kv.v_row(b, h_kv, j), j + 1 < seq_kv ? kv.v_row(b, h_kv, j + 1) : nullptr,
-                                  ch * f.vw, f.d, v_head + (ch * seq_kv + j) * f.vw);
-    return;
-  }
-#endif
   for (index_t j = 0; j < kn; ++j) {
     const auto* kr = kv.k_row(b, h_kv, k0 + j);
     for (index_t c = 0; c < f.d; ++c) kt[c * f.cols + j] = static_cast<Acc>(kr[c]);
@@ -354,12 +344,7 @@ void flash_item(const flash_call<T, Mask, KV>& call, flash_scratch<accum_t<T>>& 
     Acc* dst = sc.q.data() + i * f.d;
     for (index_t c = 0; c < f.d; ++c) dst[c] = static_cast<Acc>(qr[c]);
   }
-#if FUSEDATTN_X86_KERNELS
-  if constexpr (cpu::packs_bf16_pairs_v<Arch>) cpu::x86::prepare_q_pairs(sc.q.data(), qn, f.d);  // bf16 pairs
-#endif
-#if FUSEDATTN_ARM_BF16_KERNELS
-  if constexpr (cpu::is_arm_bf16_set_v<Arch>) cpu::arm::prepare_q_pairs(sc.q.data(), qn, f.d);  // bf16 pairs
-#endif
+  if constexpr (cpu::pair_packers<Arch>::pairs) cpu::pair_packers<Arch>::prepare_q_pairs(sc.q.data(), qn, f.d);
   std::fill(sc.acc.begin(), sc.acc.begin() + qn * f.dp, Acc(0));
   std::fill(sc.m.begin(), sc.m.begin() + qn, neg_inf);
   std::fill(sc.l.begin(), sc.l.begin() + qn, Acc(0));
