@@ -405,42 +405,93 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
   }
 }
 
-/// Combines the splits of row (b, h, i) = blockIdx.x (after the decode grid, griddepcontrol.wait): m = max_s lse_s, w_s = e^(lse_s − m),
-/// O = Σ w_s·O_s / Σ w_s, lse = m + log Σ w_s, over the parts that saw a key (lse_s > −inf). No part saw one: O = 0,
-/// lse = −inf; a part with a NaN lse makes O and lse NaN.
+/// The most key splits of one decode launch (decode_splits' bound): the merge gives each part one thread.
+inline constexpr int decode_max_splits = 128;
+
+/// Combines the splits of row (b, h, i) = blockIdx.x (after the decode grid, griddepcontrol.wait): m = max_s lse_s,
+/// w_s = e^(lse_s − m), O = Σ w_s·O_s / Σ w_s, lse = m + log Σ w_s, over the parts that saw a key (lse_s > −inf). No
+/// part saw one: O = 0, lse = −inf; a part with a NaN lse makes O and lse NaN. 128 threads: thread s reads part s's
+/// lse (m and Σ w_s by fixed-order block reductions); warp w sums parts w, w + 4, ... over float4 columns, and the
+/// four warps' sums are added in warp order, so the result does not depend on timing.
 template <class E>
-__global__ void decode_merge_kernel(const decode_params p, int head_dim) {
+__global__ void __launch_bounds__(128) decode_merge_kernel(const decode_params p, int head_dim) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode blocks' parts are complete and visible
 #endif
+  constexpr int threads = 128, warps = threads / 32, max_c4 = 64;  // float4 columns: head_dim <= 256
+  __shared__ float w_s[decode_max_splits];
+  __shared__ float red[warps];
+  __shared__ float4 sums[warps - 1][max_c4];
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const index_t row = blockIdx.x;
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
   const int i = int(row % p.seq_q), h = int((row / p.seq_q) % p.heads), b = int(row / (index_t(p.seq_q) * p.heads));
-  float m = -INFINITY;
-  bool nan = false;
-  for (int s = 0; s < p.splits; ++s) {
-    const float x = p.lse_part[s * rows + row];
-    m = fmaxf(m, x);
-    nan = nan || isnan(x);
-  }
-  float w_sum = 0.f;
-  for (int s = 0; s < p.splits; ++s) {
-    const float x = p.lse_part[s * rows + row];
-    if (x != -INFINITY) w_sum += __expf(x - m);
-  }
-  E* orow = static_cast<E*>(p.o) + index_t(b) * p.o_stride.b + index_t(h) * p.o_stride.h + index_t(i) * p.o_stride.s;
-  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-      const float x = p.lse_part[s * rows + row];
-      if (x == -INFINITY) continue;
-      acc += __expf(x - m) * p.o_part[(s * rows + row) * head_dim + c];
+  const float x = t < p.splits ? p.lse_part[t * rows + row] : -INFINITY;
+  const bool nan = __syncthreads_or(isnan(x)) != 0;
+  float m = x;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  __syncthreads();  // red is reused for the sum
+  const float e = x == -INFINITY ? 0.f : __expf(x - m);
+  if (t < p.splits) w_s[t] = e;
+  float w = e;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) w += __shfl_xor_sync(0xffffffffu, w, o);
+  if (lane == 0) red[warp] = w;
+  __syncthreads();
+  const float w_sum = ((red[0] + red[1]) + red[2]) + red[3];
+  const int c4_count = head_dim / 4;
+  const float* part0 = p.o_part + row * head_dim;
+  const index_t part_stride = rows * head_dim;
+  float4 acc[max_c4 / 32];
+#pragma unroll
+  for (int r = 0; r < max_c4 / 32; ++r) acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = warp; s < p.splits; s += warps) {
+    const float ws = w_s[s];
+#pragma unroll
+    for (int r = 0; r < max_c4 / 32; ++r) {
+      const int c4 = lane + 32 * r;
+      if (c4 < c4_count && ws != 0.f) {  // a part without keys adds nothing (its O is 0)
+        const float4 v = *reinterpret_cast<const float4*>(part0 + s * part_stride + 4 * c4);
+        acc[r].x = fmaf(ws, v.x, acc[r].x);
+        acc[r].y = fmaf(ws, v.y, acc[r].y);
+        acc[r].z = fmaf(ws, v.z, acc[r].z);
+        acc[r].w = fmaf(ws, v.w, acc[r].w);
+      }
     }
-    orow[c] = narrow<E>(nan ? NAN : w_sum > 0.f ? acc / w_sum : 0.f);
   }
-  if (p.lse != nullptr && threadIdx.x == 0)
-    p.lse[index_t(b) * p.lse_b + index_t(h) * p.lse_h + index_t(i) * p.lse_i] =
-        nan ? NAN : w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
+  if (warp > 0)
+#pragma unroll
+    for (int r = 0; r < max_c4 / 32; ++r)
+      if (lane + 32 * r < c4_count) sums[warp - 1][lane + 32 * r] = acc[r];
+  __syncthreads();
+  if (warp == 0) {
+    E* orow = static_cast<E*>(p.o) + index_t(b) * p.o_stride.b + index_t(h) * p.o_stride.h + index_t(i) * p.o_stride.s;
+#pragma unroll
+    for (int r = 0; r < max_c4 / 32; ++r) {
+      const int c4 = lane + 32 * r;
+      if (c4 >= c4_count) continue;
+      float4 a = acc[r];
+#pragma unroll
+      for (int w2 = 0; w2 < warps - 1; ++w2) {
+        const float4 v = sums[w2][c4];
+        a.x += v.x;
+        a.y += v.y;
+        a.z += v.z;
+        a.w += v.w;
+      }
+      const float vals[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) orow[4 * c4 + c] = narrow<E>(nan ? NAN : w_sum > 0.f ? vals[c] / w_sum : 0.f);
+    }
+    if (p.lse != nullptr && lane == 0)
+      p.lse[index_t(b) * p.lse_b + index_t(h) * p.lse_h + index_t(i) * p.lse_i] =
+          nan ? NAN : w_sum > 0.f ? m + logf(w_sum) : -INFINITY;
+  }
 }
 
 /// `f(Tile{})` for the decode tile of head_dim (any rows <= decode_max_rows share it); `otherwise` when none fits.
@@ -507,7 +558,7 @@ inline bool decode_aligned(const void* ptr, std::initializer_list<index_t> strid
 /// E.g. 8 × 8 blocks over 32768 keys on 132 SMs × 2: 4 splits (256 blocks, one wave), not 5 (two waves); 64 × 8
 /// blocks: 1 (two full waves; splitting further adds start-up and merge traffic).
 inline int decode_splits(index_t blocks, index_t keys, int block_n, int multiprocessors, int per_sm) {
-  constexpr index_t max_splits = 128, min_rounds = 2, fixed = 8, part = 2, merge = 4;
+  constexpr index_t max_splits = decode_max_splits, min_rounds = 2, fixed = 8, part = 2, merge = 4;
   const index_t slots = index_t(multiprocessors > 0 ? multiprocessors : 1) * (per_sm > 0 ? per_sm : 1);
   const index_t n = block_n > 0 ? block_n : 1;
   const index_t rounds = (keys + n - 1) / n;
@@ -689,6 +740,7 @@ status decode_views_fit(const tensor_ref<const T>& q, const tensor_ref<T>& o) {
 template <class T, class Mask>
 bool decode_takes(const policy::cuda& pol, const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                   const tensor_ref<const T>& v, const tensor_ref<T>& o, const Mask& mask) {
+  (void)mask;  // its type decides
   if constexpr (!mask_traits<Mask>::one_segment) {
     return false;
   } else {
