@@ -212,28 +212,8 @@ TEST_CASE("amx: softcap, ALiBi and sinks on the AMX set against float64", "[amx]
   // The modifiers act on the f32 scores between the two tile products (the tile loop's modify_row), so the AMX set
   // takes them as every CPU kernel set does; checked with the 2x-plain rule of bf16 storage.
   for (const problem& p : {problem{1, 4, 2, 130, 129, 64}, problem{1, 2, 2, 33, 200, 80}})
-    for (const causal base : {causal{align::top_left}, causal{align::bottom_right}}) {
-      const std::uint64_t seed = fresh_seed();
-      CAPTURE(seed, describe(p), base.alignment == align::top_left);
-      std::mt19937_64 rng(seed);
-      attention_case<bf16> c(p, layout::bhsd, rng);
-      c.q.fill(rng, -2.0, 2.0);
-      c.k.fill(rng, -2.0, 2.0);
-      std::uniform_real_distribution<float> slope(0.01f, 0.05f), logit(-2.0f, 3.0f);
-      std::vector<float> slopes, logits;
-      for (index_t h = 0; h < p.heads; ++h) {
-        slopes.push_back(slope(rng));
-        logits.push_back(logit(rng));
-      }
-      const auto mask = base | softcap{1.5f} | alibi{slopes.data(), base.alignment} | sinks{logits.data()};
-      std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
-      REQUIRE(attend(policy::cpu_amx{2}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data()).ok());
-      const auto bound = bind(mask, p);
-      const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
-      const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
-      check_lowp_rule(c.o.view, lse, exact, plain, lse_floor,
-                      bf16_plain_error(p, c.q.cview(), c.k.cview(), c.v.cview(), bound, plain, exact));
-    }
+    for (const causal base : {causal{align::top_left}, causal{align::bottom_right}})
+      check_bf16_modifiers(policy::cpu_amx{2}, p, base, 1.5f, {0.01f, 0.05f}, {-2.0f, 3.0f}, lse_floor);
 }
 
 TEST_CASE("amx: cpu::best takes the AMX set for bf16 storage where the CPU has it", "[amx]") {

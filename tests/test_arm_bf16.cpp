@@ -118,25 +118,8 @@ TEST_CASE("arm bf16: bf16 key pairs never let a key outside a tile reach a row (
 TEST_CASE("arm bf16: softcap, ALiBi and sinks on BFDOT against float64", "[arm_bf16]") {
   // The modifiers act on the f32 scores between the two dot products (the tile loop's modify_row).
   for (const problem& p : {problem{1, 4, 2, 45, 43, 32}, problem{1, 2, 2, 9, 70, 19}})
-    for (const window base : {window{12, 4, align::top_left}, window{20, 0, align::bottom_right}}) {
-      const std::uint64_t seed = fresh_seed();
-      CAPTURE(seed, describe(p), base.alignment == align::top_left);
-      std::mt19937_64 rng(seed);
-      attention_case<bf16> c(p, layout::bhsd, rng);
-      c.q.fill(rng, -2.0, 2.0);
-      c.k.fill(rng, -2.0, 2.0);
-      std::uniform_real_distribution<float> slope(0.02f, 0.2f), logit(-1.0f, 2.0f);
-      std::vector<float> slopes, logits;
-      for (index_t h = 0; h < p.heads; ++h) {
-        slopes.push_back(slope(rng));
-        logits.push_back(logit(rng));
-      }
-      const auto mask = base | softcap{2.0f} | alibi{slopes.data(), base.alignment} | sinks{logits.data()};
-      std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
-      REQUIRE(attend(policy::cpu_neon_bf16{3}, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data())
-                  .ok());
-      check_call(p, c, bind(mask, p), lse);
-    }
+    for (const window base : {window{12, 4, align::top_left}, window{20, 0, align::bottom_right}})
+      check_bf16_modifiers(policy::cpu_neon_bf16{3}, p, base, 2.0f, {0.02f, 0.2f}, {-1.0f, 2.0f}, lse_floor);
 }
 
 TEST_CASE("arm bf16: other storage types under cpu_neon_bf16 run the NEON kernels and match float64",

@@ -1,7 +1,8 @@
 /// @file lowp_check.hpp
 /// The low-precision accuracy rule shared by test_lowp, test_amx and test_arm_bf16: a plain f32 implementation's
 /// error against float64 (its output rounded to the output type), its lse error, the bf16 half-ulp floor, the rule's
-/// check, and the bf16-pair kernels' check that keys outside a tile never reach its rows.
+/// check, the bf16 kernel sets' score-modifier check, and the bf16-pair kernels' check that keys outside a tile never
+/// reach its rows.
 #pragma once
 
 #include <algorithm>
@@ -75,6 +76,40 @@ void check_lowp_rule(const tensor_ref<Out>& o, const std::vector<float>& lse, co
   const double lse_err = max_lse_error(lse, exact.lse), plain_lse = plain_lse_error(plain, exact);
   INFO("lse error " << lse_err << ", plain " << plain_lse);
   CHECK(lse_err <= 2.0 * plain_lse + lse_floor);
+}
+
+/// A range [lo, hi) a per-head parameter is drawn from.
+struct draw_range {
+  float lo = 0, hi = 0;
+};
+
+/// A bf16 kernel set's score modifiers against float64: fresh bf16 inputs (bhsd, Q and K in [-2, 2]) under
+/// `base | softcap{cap} | alibi{slopes, base.alignment} | sinks{logits}`, each head's slope and sink logit drawn
+/// from `slopes` and `logits`; `pol` runs it (O and lse) and check_lowp_rule holds both to the bf16 rule with
+/// `lse_floor`.
+template <class Policy, class Base>
+void check_bf16_modifiers(const Policy& pol, const problem& p, const Base& base, float cap, draw_range slopes,
+                          draw_range logits, double lse_floor) {
+  const std::uint64_t seed = fresh_seed();
+  CAPTURE(seed, describe(p), base.alignment == align::top_left);
+  std::mt19937_64 rng(seed);
+  attention_case<Eigen::bfloat16> c(p, layout::bhsd, rng);
+  c.q.fill(rng, -2.0, 2.0);
+  c.k.fill(rng, -2.0, 2.0);
+  std::uniform_real_distribution<float> slope(slopes.lo, slopes.hi), logit(logits.lo, logits.hi);
+  std::vector<float> slope_of, logit_of;
+  for (index_t h = 0; h < p.heads; ++h) {
+    slope_of.push_back(slope(rng));
+    logit_of.push_back(logit(rng));
+  }
+  const auto mask = base | softcap{cap} | alibi{slope_of.data(), base.alignment} | sinks{logit_of.data()};
+  std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
+  REQUIRE(attend(pol, p, c.q.cview(), c.k.cview(), c.v.cview(), c.o.view, mask, lse.data()).ok());
+  const auto bound = bind(mask, p);
+  const reference exact = reference_attention<double>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+  const reference plain = reference_attention<float>(p, c.q.cview(), c.k.cview(), c.v.cview(), bound);
+  check_lowp_rule(c.o.view, lse, exact, plain, lse_floor,
+                  bf16_plain_error(p, c.q.cview(), c.k.cview(), c.v.cview(), bound, plain, exact));
 }
 
 /// One round's shape for check_unseen_keys_stay_out: the problem and the key count of its layout's kv blocks.
