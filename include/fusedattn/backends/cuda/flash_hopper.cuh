@@ -610,13 +610,34 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
   }
 }
 
+/// Turns on the tensor cores of flash_hopper_ws_kernel's consumer warpgroups (hopper_tile::take_turns; without, both
+/// do nothing): warpgroup wg issues its wgmma once warpgroup wg − 1 (cyclically) has finished its own, so one
+/// warpgroup's softmax runs while the next one's products do. Barrier 8 + wg (1 + wg is the O store's): this
+/// warpgroup's 128 threads wait there for the 128 of the one before it. Inlined as ordinary functions, not forced
+/// (as the scheduler's).
+template <class Tile>
+struct hopper_ws_turns {
+  static_assert(Tile::warpgroups <= 7, "named barriers 1..7 stage O, 8..15 pass the turns");
+  static constexpr int turn_threads = 256;
+  const int& wg;  ///< this thread's consumer warpgroup
+  /// Waits until the warpgroup before this one has issued and finished its products.
+  __device__ void wait() const {
+    if constexpr (Tile::take_turns) named_barrier(8 + wg, turn_threads);
+  }
+  /// Hands the tensor cores to the next warpgroup.
+  __device__ void pass() const {
+    if constexpr (Tile::take_turns) named_barrier_arrive(8 + (wg + 1) % Tile::warpgroups, turn_threads);
+  }
+};
+
 /// The kernel of tiles with one block per multiprocessor (hopper_tile::warp_specialized), FlashAttention-3's
 /// structure, assembled from roles: shared state (the tiles, then hopper_ws_shared), the tile scheduler
 /// (hopper_ws_scheduler: the block's work items, q-block, head, batch, split), the producer (hopper_ws_produce:
 /// warpgroup 0, one thread issuing the TMA copies of Q (two buffers where they fit), K and V (two each) as soon as
-/// the consumers free a buffer), and the consumers below (mainloop and epilogue stay in the kernel: moved into
-/// functions of their own, the same instructions come out in another order). The producer writes the item's
-/// coordinates beside its Q, so the consumers do no index arithmetic between items.
+/// the consumers free a buffer), the consumers' turns on the tensor cores (hopper_ws_turns), and the consumers'
+/// mainloop and epilogue below, which stay in the kernel: moved into functions of their own, the same instructions
+/// come out in another order. The producer writes the item's coordinates beside its Q, so the consumers do no index
+/// arithmetic between items.
 /// Warpgroups 1.. are the consumers, 64 query rows each, running flash_hopper_kernel's per-tile sequence with no
 /// block barrier: each waits on a buffer's "full" mbarrier and frees it once its wgmma have read it. A warpgroup
 /// stages its O rows in its own rows of the item's Q buffer and one of its threads writes them with a TMA store
@@ -669,19 +690,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
   // This thread is done reading a buffer: every consumer thread arrives (an arrival by lane 0 only, predicated on
   // the lane, made ptxas serialise the wgmma: note C7513).
   auto release = [&](std::uint64_t* bar) { mbarrier_arrive(bar); };
-  // Turns on the tensor cores (hopper_tile::take_turns): warpgroup wg issues its wgmma once warpgroup wg − 1
-  // (cyclically) has finished its own, so one warpgroup's softmax runs while the next one's products do. Barrier
-  // 8 + wg (1 + wg is the O store's): this warpgroup's 128 threads wait there for the 128 of the one before it.
-  static_assert(Tile::warpgroups <= 7, "named barriers 1..7 stage O, 8..15 pass the turns");
   constexpr bool turns = Tile::take_turns;
-  constexpr int turn_threads = 256;
-  auto wait_turn = [&] {
-    if constexpr (turns) named_barrier(8 + wg, turn_threads);
-  };
-  auto pass_turn = [&] {
-    if constexpr (turns) named_barrier_arrive(8 + (wg + 1) % Tile::warpgroups, turn_threads);
-  };
-  if (wg == Tile::warpgroups - 1) pass_turn();  // warpgroup 0 goes first
+  const hopper_ws_turns<Tile> turn{wg};
+  if (wg == Tile::warpgroups - 1) turn.pass();  // warpgroup 0 goes first
   const std::uint64_t q_desc0 = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
   const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
   const std::uint64_t v_desc = swizzled_descriptor(sv, v_panel, atom);
@@ -724,12 +735,12 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         const int k0 = ws.k0[kt % 2], tile_begin = ws.seg_begin[kt % 2], tile_end = ws.seg_end[kt % 2];
         float s[BN / 8][4];
         float alpha[2];
-        wait_turn();
+        turn.wait();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, (kt % 2) * BN * D));
         release_stored();  // the last item's O store, while S_0 runs
         wgmma_wait<0>();
         fence_operands(s);
-        pass_turn();
+        turn.pass();
         release(&ws.k_empty[kt % 2]);
         tile_softmax<E, BN, band, Mods>(s, pk, alpha, m_run, l_run, rule, w, k0, tile_begin, tile_end, mods);
       }
@@ -741,7 +752,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
         last = ws.last[stage];
         float s[BN / 8][4];
         float alpha[2];
-        wait_turn();
+        turn.wait();
         issue_scores<E, Tile>(s, q_desc, desc_plus(k_desc, stage * BN * D));
         issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, (stage ^ 1) * BN * D));
         if constexpr (turns) {  // both products done before the softmax: the turn passes when the tensor cores free
@@ -749,7 +760,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
           fence_operands(s);
           fence_operands(acc);
           fence_fragments(pk);
-          pass_turn();
+          turn.pass();
           release(&ws.k_empty[stage]);
           release(&ws.v_empty[stage ^ 1]);
           // Into pk_next, then copied: packing straight into pk (free here) changes ptxas's schedule of this
@@ -775,12 +786,12 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       // The last tile's P·V.
       const int v_stage = (kt - 1) % 2;
       mbarrier_wait(&ws.v_full[v_stage], ((kt - 1) / 2) & 1);
-      wait_turn();
+      turn.wait();
       issue_pv<E, Tile>(acc, pk, desc_plus(v_desc, v_stage * BN * D));
       wgmma_wait<0>();
       fence_operands(acc);
       fence_fragments(pk);
-      pass_turn();
+      turn.pass();
       release(&ws.v_empty[v_stage]);
     }
 
@@ -807,7 +818,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     if (stored_qb != qb) release(&ws.q_empty[qb]);  // the storing thread frees it in release_stored
   }
   release_stored();  // the block's last store has read its rows before the block's shared memory goes
-  if (wg == 0) wait_turn();  // the last warpgroup's last pass (no barrier is left with arrivals pending)
+  if (wg == 0) turn.wait();  // the last warpgroup's last pass (no barrier is left with arrivals pending)
 #else
   (void)p;
 #endif
