@@ -64,16 +64,6 @@ void check_bf16(int threads, const problem& p, const any_mask& mask, layout l, d
                   bf16_plain_error(p, c.q.cview(), c.k.cview(), c.v.cview(), bound, plain, exact));
 }
 
-/// A (b, h, s, d) operand of type To holding the values of `from` converted (rounded when To is narrower).
-template <class To, class From>
-void convert(const operand<From>& from, operand<To>& to) {
-  const dims4 d = from.view.dims;
-  for (index_t b = 0; b < d.b; ++b)
-    for (index_t h = 0; h < d.h; ++h)
-      for (index_t i = 0; i < d.s; ++i)
-        for (index_t c = 0; c < d.d; ++c) to.view.row(b, h, i)[c] = static_cast<To>(from.view.row(b, h, i)[c]);
-}
-
 /// f32 Q and O with K and V of type TKV on cpu_amx. bf16 K/V run on the tiles (Q rounded to bf16): held to the
 /// bf16-storage rule on the rounded Q; f16 K/V, and decode-shaped calls (the decode kernel, K and V widened to
 /// f32), run in f32: held to the f32 rule of mixed storage.

@@ -54,16 +54,6 @@ void check_same_type(const Policy& pol, const problem& p, const any_mask& mask, 
   check_lowp_rule(c.o.view, lse, exact, plain, lse_floor, bf16_err);
 }
 
-/// A (b, h, s, d) operand of type To holding the values of `from` (exact when To is wider).
-template <class To, class From>
-void widen(const operand<From>& from, operand<To>& to) {
-  const dims4 d = from.view.dims;
-  for (index_t b = 0; b < d.b; ++b)
-    for (index_t h = 0; h < d.h; ++h)
-      for (index_t i = 0; i < d.s; ++i)
-        for (index_t c = 0; c < d.d; ++c) to.view.row(b, h, i)[c] = static_cast<To>(from.view.row(b, h, i)[c]);
-}
-
 /// Mixed storage: f32 Q and O, K and V of type TKV. The oracle and the plain implementation read K and V widened
 /// to f32 (exactly the values the kernel sees).
 template <class TKV, class Policy>
@@ -77,8 +67,8 @@ void check_mixed(const Policy& pol, const problem& p, const any_mask& mask, layo
   k.fill(rng, -2.0, 2.0);
   v.fill(rng);
   o.fill(rng, 7.0, 9.0);
-  widen(k, k32);
-  widen(v, v32);
+  convert(k, k32);
+  convert(v, v32);
   std::vector<float> lse(static_cast<std::size_t>(p.lse_size()));
   const status st = attend(pol, p, q.cview(), k.cview(), v.cview(), o.view, mask, lse.data());
   REQUIRE(st.ok());

@@ -1,8 +1,7 @@
 /// @file lowp_check.hpp
-/// The low-precision accuracy rule shared by test_lowp, test_amx and test_arm_bf16: a plain f32 implementation's
-/// error against float64 (its output rounded to the output type), its lse error, the bf16 half-ulp floor, the rule's
-/// check, the bf16 kernel sets' score-modifier check, and the bf16-pair kernels' check that keys outside a tile never
-/// reach its rows.
+/// The low-precision checks shared by test_lowp, test_amx and test_arm_bf16: operands converted between storage
+/// types, the 2x-plain accuracy rule (a plain f32 implementation's O and lse error against float64, the bf16 half-ulp
+/// floor), the bf16 sets' score-modifier check, and the check that keys outside a bf16-pair tile never reach a row.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +16,17 @@
 
 namespace fusedattn {
 namespace testing {
+
+/// Writes the values of `from` into `to` (an operand of the same dims) as To: exact when To is wider, rounded when
+/// it is narrower.
+template <class To, class From>
+void convert(const operand<From>& from, operand<To>& to) {
+  const dims4 d = from.view.dims;
+  for (index_t b = 0; b < d.b; ++b)
+    for (index_t h = 0; h < d.h; ++h)
+      for (index_t i = 0; i < d.s; ++i)
+        for (index_t c = 0; c < d.d; ++c) to.view.row(b, h, i)[c] = static_cast<To>(from.view.row(b, h, i)[c]);
+}
 
 /// Max |o − ref| of a plain f32 implementation on the same inputs, its output rounded to `Out`.
 template <class Out>
