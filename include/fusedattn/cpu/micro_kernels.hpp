@@ -250,13 +250,52 @@ inline typename simd<Acc, Arch>::type load_as(const T* x) {
   }
 }
 
-/// Register blocking of the decode micro-kernels: dot products MR rows × NK keys (MR·NK accumulators), and
-/// the in-place P·V as the prefill's P·V (kernel_shape::pv_mr rows × pv_nr vectors).
+/// Register blocking of the decode micro-kernels: dot products MR rows × NK keys (MR·NK accumulators, reduced
+/// together by reduce_each), and the in-place P·V: up to 4 rows × pv_nv vectors of head_dim columns (a decode row
+/// block is small), more rows as the prefill's P·V (kernel_shape::pv_mr rows × pv_nr vectors).
 template <class Acc, class Arch>
 struct decode_shape {
   static constexpr index_t dot_mr = has_32_registers<Arch>() ? 4 : 2;
   static constexpr index_t dot_nk = 4;
+  static constexpr index_t pv_small_rows = 4;
+  static constexpr index_t pv_nv = has_32_registers<Arch>() ? 4 : kernel_shape<Acc, Arch>::pv_nr;
 };
+
+/// The lane sums of W vectors at once (the transposed reduction): lane i of the result is the sum of x[i]'s lanes.
+/// Every lane is summed by the same tree, whatever the other vectors hold (on AVX-512: lanes i and i + 8 first,
+/// then i and i + 4, i and i + 2, i and i + 1), so a dot product's bits do not depend on the block it was computed
+/// in. W − 1 vector additions for W sums instead of W horizontal reductions.
+template <class Acc, class Arch>
+inline typename simd<Acc, Arch>::type reduce_each(const typename simd<Acc, Arch>::type* x) {
+  using V = simd<Acc, Arch>;
+  if constexpr (V::width == 1) {
+    return x[0];
+  } else {
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_same<Acc, float>::value && V::width == 16) {
+      // Level 1 folds each vector's 256-bit halves, level 2 its 128-bit quarters (both across a pair of vectors),
+      // levels 3 and 4 the pairs and single lanes inside 128-bit blocks. Four levels leave lane L holding input
+      // 4·(L % 4) + L / 4, so the inputs go in that order (the permutation is its own inverse).
+      __m512 l1[8], l2[4], l3[2];
+      constexpr int perm[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+      FUSEDATTN_UNROLL for (int i = 0; i < 8; ++i) {
+        const __m512 a = x[perm[2 * i]], b = x[perm[2 * i + 1]];
+        l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+      }
+      FUSEDATTN_UNROLL for (int i = 0; i < 4; ++i)
+        l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0xdd));
+      FUSEDATTN_UNROLL for (int i = 0; i < 2; ++i)
+        l3[i] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0xee));
+      return _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
+    } else
+#endif
+    {
+      return xsimd::haddp(x);
+    }
+  }
+}
 
 /// a·b + c for the scalar tails of the in-place micro-kernels: one fused rounding where the target has an FMA
 /// instruction (FP_FAST_FMAF / FP_FAST_FMA), else a product and a sum. Written out rather than left to the
@@ -275,53 +314,61 @@ inline Acc tail_mul_add(Acc a, Acc b, Acc c) {
 }
 
 /// One MR × NK block of scores, each a dot product over head_dim:
-///   q: MR query rows (Acc), row stride ldq;           shape MR × d
-///   k: NK key rows (storage type T), row stride ldk;  shape NK × d, read in place
-///   s: output, row stride lds;                        shape MR × NK
-/// Math: s[r][n] = Σ_c q[r][c] · k[n][c], vector lanes over c, then one horizontal sum per entry; the last
-/// d % W columns are added one at a time. Each K vector is loaded (and widened) once for all MR rows.
+///   q: MR query rows (Acc), row stride ldq;        shape MR × d
+///   k: NK pointers to key rows (storage type T, read in place);  each d values
+///   s: output, row stride lds;                     shape MR × NK
+/// Math: s[r][n] = Σ_c q[r][c] · k[n][c], vector lanes over c, then the lanes of all MR·NK accumulators summed
+/// together (reduce_each, W at a time); the last d % W columns are added one at a time. Each K vector is loaded
+/// (and widened) once for all MR rows.
 template <class Acc, class Arch, class T, index_t MR, index_t NK>
-FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* k, index_t ldk, index_t d, Acc* s, index_t lds) {
+FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* const* k, index_t d, Acc* s, index_t lds) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
-  constexpr index_t W = V::width;
+  constexpr index_t W = V::width, M = MR * NK, G = (M + W - 1) / W;
   const index_t dv = d / W * W;
-  vec acc[MR][NK];
-  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) acc[r][n] = V::broadcast(Acc(0));
+  vec acc[G * W];
+  FUSEDATTN_UNROLL for (index_t i = 0; i < G * W; ++i) acc[i] = V::broadcast(Acc(0));
+  const T* kr[NK];
+  FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) kr[n] = k[n];
   for (index_t c = 0; c < dv; c += W) {
     vec k_c[NK];
     FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
-      k_c[n] = load_as<Acc, Arch>(k + n * ldk + c);
+      k_c[n] = load_as<Acc, Arch>(kr[n] + c);
       pin_register(k_c[n]);
     }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec q_rc = V::load(q + r * ldq + c);
-      FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) acc[r][n] = V::fma(q_rc, k_c[n], acc[r][n]);
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) acc[r * NK + n] = V::fma(q_rc, k_c[n], acc[r * NK + n]);
     }
   }
-  FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
-    FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
-      Acc x = V::reduce_add(acc[r][n]);
-      for (index_t c = dv; c < d; ++c) x = tail_mul_add(q[r * ldq + c], static_cast<Acc>(k[n * ldk + c]), x);
-      s[r * lds + n] = x;
-    }
+  alignas(64) Acc sums[G * W];
+  FUSEDATTN_UNROLL for (index_t g = 0; g < G; ++g) V::store(sums + g * W, reduce_each<Acc, Arch>(acc + g * W));
+  if (dv == d) {
+    FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
+      FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) s[r * lds + n] = sums[r * NK + n];
+  } else {
+    for (index_t r = 0; r < MR; ++r)
+      for (index_t n = 0; n < NK; ++n) {
+        Acc x = sums[r * NK + n];
+        for (index_t c = dv; c < d; ++c) x = tail_mul_add(q[r * ldq + c], static_cast<Acc>(kr[n][c]), x);
+        s[r * lds + n] = x;
+      }
+  }
 }
 
-/// S (rows × keys) = Q · Kᵀ with K read in place: `keys` rows at k, k + ldk, ...; Q rows at stride ldq.
+/// S (rows × keys) = Q · Kᵀ with K read in place: key j's row at k[j]; Q rows at stride ldq.
 /// Rows dot_mr and keys dot_nk at a time, the tails as smaller blocks.
 template <class Acc, class Arch, class T>
-inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* k, index_t ldk, index_t keys, index_t d, Acc* s,
+inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* const* k, index_t keys, index_t d, Acc* s,
                      index_t lds) {
   constexpr index_t MR = decode_shape<Acc, Arch>::dot_mr, NK = decode_shape<Acc, Arch>::dot_nk;
   const index_t full_r = rows / MR * MR, full_k = keys / NK * NK;
   auto rows_block = [&](index_t j, auto nk) {
     constexpr index_t N = decltype(nk)::value;
     for (index_t i = 0; i < full_r; i += MR)
-      dot_block<Acc, Arch, T, MR, N>(q + i * ldq, ldq, k + j * ldk, ldk, d, s + i * lds + j, lds);
+      dot_block<Acc, Arch, T, MR, N>(q + i * ldq, ldq, k + j, d, s + i * lds + j, lds);
     with_count<MR - 1>(rows - full_r, [&](auto mr) {
-      dot_block<Acc, Arch, T, decltype(mr)::value, N>(q + full_r * ldq, ldq, k + j * ldk, ldk, d,
-                                                      s + full_r * lds + j, lds);
+      dot_block<Acc, Arch, T, decltype(mr)::value, N>(q + full_r * ldq, ldq, k + j, d, s + full_r * lds + j, lds);
     });
   };
   for (index_t j = 0; j < full_k; j += NK) rows_block(j, std::integral_constant<index_t, NK>{});
@@ -330,11 +377,11 @@ inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* k, index_
 
 /// One MR × (NV·W) block of acc += P·V with V read in place (no rescale: the caller applied α already).
 ///   p: MR rows of P, row stride ldp;                      shape MR × keys
-///   v: value rows (storage type T) at the block's first column, row stride ldv;  shape keys × (NV·W)
-///   acc: in/out, row stride lda;                          shape MR × (NV·W)
+///   v: pointers to the value rows (storage type T); the block reads columns [c, c + NV·W) of each
+///   acc: in/out, row stride lda, at column c;             shape MR × (NV·W)
 template <class Acc, class Arch, class T, index_t MR, index_t NV>
-FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* v, index_t ldv, index_t keys, Acc* acc,
-                                          index_t lda) {
+FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* const* v, index_t c, index_t keys,
+                                          Acc* acc, index_t lda) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
@@ -342,9 +389,10 @@ FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* v,
   FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r)
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) o[r][n] = V::load(acc + r * lda + n * W);
   for (index_t j = 0; j < keys; ++j) {
+    const T* vr = v[j] + c;
     vec v_j[NV];
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
-      v_j[n] = load_as<Acc, Arch>(v + j * ldv + n * W);
+      v_j[n] = load_as<Acc, Arch>(vr + n * W);
       pin_register(v_j[n]);
     }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
@@ -356,30 +404,42 @@ FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* v,
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) V::store(acc + r * lda + n * W, o[r][n]);
 }
 
-/// acc (rows × d) += P (rows × keys) · V (keys × d) with V read in place at row stride ldv: column chunks of
-/// pv_nr vectors (then single vectors), pv_mr rows at a time; the last d % W columns one value at a time.
+/// acc (rows × d) += P (rows × keys) · V (keys × d) with V read in place, key j's row at v[j]. Up to
+/// decode_shape::pv_small_rows rows: one row block, column chunks of pv_nv vectors; more rows: blocks of pv_mr rows
+/// (the last rows % pv_mr as one smaller block), chunks of pv_nr vectors; then single vectors, and the last d % W
+/// columns one value at a time. Each output column sums its keys in ascending order whatever the blocking.
 template <class Acc, class Arch, class T>
-inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* v, index_t ldv, index_t keys, index_t d, Acc* acc,
+inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* const* v, index_t keys, index_t d, Acc* acc,
                              index_t lda, index_t rows) {
   using shape = kernel_shape<Acc, Arch>;
-  constexpr index_t W = shape::width, MR = shape::pv_mr, NV = shape::pv_nr;
-  const index_t dv = d / W * W, full_r = rows / MR * MR;
-  auto chunk = [&](index_t c, auto nv) {
-    constexpr index_t N = decltype(nv)::value;
-    for (index_t i = 0; i < full_r; i += MR)
-      pv_block_in_place<Acc, Arch, T, MR, N>(p + i * ldp, ldp, v + c, ldv, keys, acc + i * lda + c, lda);
-    with_count<MR - 1>(rows - full_r, [&](auto mr) {
-      pv_block_in_place<Acc, Arch, T, decltype(mr)::value, N>(p + full_r * ldp, ldp, v + c, ldv, keys,
-                                                              acc + full_r * lda + c, lda);
-    });
+  using dshape = decode_shape<Acc, Arch>;
+  constexpr index_t W = shape::width;
+  const index_t dv = d / W * W;
+  auto columns = [&](auto mr_max, auto nv_max) {
+    constexpr index_t MR = decltype(mr_max)::value, NV = decltype(nv_max)::value;
+    const index_t full_r = rows / MR * MR;
+    auto chunk = [&](index_t c, auto nv) {
+      constexpr index_t N = decltype(nv)::value;
+      for (index_t i = 0; i < full_r; i += MR)
+        pv_block_in_place<Acc, Arch, T, MR, N>(p + i * ldp, ldp, v, c, keys, acc + i * lda + c, lda);
+      with_count<MR - 1>(rows - full_r, [&](auto mr) {
+        pv_block_in_place<Acc, Arch, T, decltype(mr)::value, N>(p + full_r * ldp, ldp, v, c, keys,
+                                                                acc + full_r * lda + c, lda);
+      });
+    };
+    index_t c = 0;
+    for (; c + NV * W <= dv; c += NV * W) chunk(c, std::integral_constant<index_t, NV>{});
+    for (; c < dv; c += W) chunk(c, std::integral_constant<index_t, 1>{});
   };
-  index_t c = 0;
-  for (; c + NV * W <= dv; c += NV * W) chunk(c, std::integral_constant<index_t, NV>{});
-  for (; c < dv; c += W) chunk(c, std::integral_constant<index_t, 1>{});
-  for (; c < d; ++c)
+  if (rows <= dshape::pv_small_rows)
+    columns(std::integral_constant<index_t, dshape::pv_small_rows>{},
+            std::integral_constant<index_t, dshape::pv_nv>{});
+  else
+    columns(std::integral_constant<index_t, shape::pv_mr>{}, std::integral_constant<index_t, shape::pv_nr>{});
+  for (index_t c = dv; c < d; ++c)
     for (index_t r = 0; r < rows; ++r) {
       Acc x = acc[r * lda + c];
-      for (index_t j = 0; j < keys; ++j) x = tail_mul_add(p[r * ldp + j], static_cast<Acc>(v[j * ldv + c]), x);
+      for (index_t j = 0; j < keys; ++j) x = tail_mul_add(p[r * ldp + j], static_cast<Acc>(v[j][c]), x);
       acc[r * lda + c] = x;
     }
 }
