@@ -241,11 +241,40 @@ __device__ __forceinline__ void flag_nonfinite(int* nonfinite, const float (&acc
   if (!isfinite(sum)) *nonfinite = 1;
 }
 
+/// The K and V tile loads of the mma.sync kernel (flash_forward_block's loader): rows [k0, k0 + block_n) of this
+/// head's K or V into a swizzled buffer by block-wide cp.async (load_tile), the rows past seq_kv and the columns past
+/// the problem's head_dim (`cols_ch` 16-byte chunks) zero-filled. A view of the block's values (references); its
+/// members are inlined as ordinary functions, not forced (forcing them changes ptxas's schedule).
+template <class E, class Tile, class Mask>
+struct mma_kv_loader {
+  const flash_params_t<Mask>& p;
+  const E* const& k_head;  ///< K of this (batch, kv head)
+  const E* const& v_head;  ///< V of this (batch, kv head)
+  const int& cols_ch;
+  /// Keys left from k0, at most block_n.
+  __device__ int rows(int k0) const { return p.seq_kv - k0 < Tile::block_n ? p.seq_kv - k0 : Tile::block_n; }
+  /// K (V) rows from key k0 into dst.
+  __device__ void k(E* dst, int k0) const {
+    load_tile<Tile, Tile::block_n>(dst, k_head + k0 * p.k_stride.s, p.k_stride.s, rows(k0), cols_ch);
+  }
+  __device__ void v(E* dst, int k0) const {
+    load_tile<Tile, Tile::block_n>(dst, v_head + k0 * p.v_stride.s, p.v_stride.s, rows(k0), cols_ch);
+  }
+  /// K and V rows from key k0 into k_dst and v_dst.
+  __device__ void both(E* k_dst, E* v_dst, int k0) const {
+    const int n = rows(k0);
+    load_tile<Tile, Tile::block_n>(k_dst, k_head + k0 * p.k_stride.s, p.k_stride.s, n, cols_ch);
+    load_tile<Tile, Tile::block_n>(v_dst, v_head + k0 * p.v_stride.s, p.v_stride.s, n, cols_ch);
+  }
+};
+
 /// One q-block of the mma.sync kernel: rows [m_block·block_m, ...) of head h, batch and split `bz` (batch · splits +
 /// split); flash_forward_kernel runs one a block, flash_repair_kernel those it finds non-finite. `Guarded` (the
 /// repair kernel only) checks, on each tile with masked keys, whether its V holds an inf or NaN, and if so takes
 /// plain_pv for that tile's P·V; the tensor cores would form 0·inf for a masked key (docs/design.md, Numerics).
 /// `Mods`: the call has score modifiers (tile_mods; calls without run the instantiation that has no trace of them).
+/// Its K/V loads are mma_kv_loader's; Q·Kᵀ, the mask and softmax step, P·V and the O epilogue stay inline: moved into
+/// functions of their own they compile to the same instructions, but flash_repair_kernel's come out in another order.
 template <class E, class Tile, class Mask, bool Guarded, bool Mods = false>
 __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& p, int m_block, int h, int bz) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, CH = Tile::chunks, MT = Tile::m_tiles;
@@ -282,14 +311,12 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
   const band32 rule = element_rule(mask);  // the band (a block-sparse mask's `within`) in 32-bit arithmetic
   const int k_first = tiles.first(split, p.splits);
   [[maybe_unused]] const tile_mods mods = make_tile_mods<Mods>(mask, h, p.scale_log2);
-  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
+  const mma_kv_loader<E, Tile, Mask> kv{p, k_head, v_head, cols_ch};
 
   load_tile<Tile, BM>(sq, q_head + q0 * p.q_stride.s, p.q_stride.s, q1 - q0, cols_ch);
   if (k_first >= 0) {
-    load_tile<Tile, BN>(sk, k_head + k_first * p.k_stride.s, p.k_stride.s, rows_left(k_first, p.seq_kv, BN), cols_ch);
-    if constexpr (Tile::stages == 2)
-      load_tile<Tile, BN>(sv, v_head + k_first * p.v_stride.s, p.v_stride.s, rows_left(k_first, p.seq_kv, BN),
-                          cols_ch);
+    kv.k(sk, k_first);
+    if constexpr (Tile::stages == 2) kv.v(sv, k_first);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -317,16 +344,14 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
     const E* sv_t = sv + stage * BN * D;
     if constexpr (Tile::stages == 1) {
       // V of this tile streams in while Q·Kᵀ runs (every warp finished P·V of the last tile at the closing barrier).
-      load_tile<Tile, BN>(sv, v_head + k0 * p.v_stride.s, p.v_stride.s, rows_left(k0, p.seq_kv, BN), cols_ch);
+      kv.v(sv, k0);
       cp_async_commit();
     } else {
       // K and V of the next tile stream into the other buffer while this whole tile runs (every warp finished the
       // tile that last used it at the closing barrier).
       k_next = tiles.next(k0);
       if (k_next >= 0) {
-        const int rows = rows_left(k_next, p.seq_kv, BN);
-        load_tile<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + k_next * p.k_stride.s, p.k_stride.s, rows, cols_ch);
-        load_tile<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + k_next * p.v_stride.s, p.v_stride.s, rows, cols_ch);
+        kv.both(sk + (stage ^ 1) * BN * D, sv + (stage ^ 1) * BN * D, k_next);
         cp_async_commit();
       }
     }
@@ -423,8 +448,7 @@ __device__ __forceinline__ void flash_forward_block(const flash_params_t<Mask>& 
       __syncthreads();  // V landed; every warp is done with this K tile
       k_next = tiles.next(k0);
       if (k_next >= 0) {
-        load_tile<Tile, BN>(sk, k_head + k_next * p.k_stride.s, p.k_stride.s, rows_left(k_next, p.seq_kv, BN),
-                            cols_ch);
+        kv.k(sk, k_next);
         cp_async_commit();
       }
     }
