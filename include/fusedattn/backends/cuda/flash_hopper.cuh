@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.f;
 
     mbarrier_wait(&ws.q_full[qb], (n / QB) & 1);
-    // The item, as the producer wrote it beside its Q (item_at's divisions stay off this path).
+    // The item, as the producer wrote it beside its Q (the scheduler's divisions stay off this path).
     const hopper_item it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
     const int q0 = it.m_block * BM;
     const int row0 = q0 + 16 * warp;
