@@ -5,7 +5,8 @@
 // reads another copy of the cache (copies spanning at least 1 GiB) so that L2 holds none of it. One line per row:
 //   decode/bf16/<contig|paged16|paged64>/b{B}_h32_hkv8_skv{S}_d128  <µs per call>  <GB/s>
 // `bench/peers/torch_peer.py --device cuda --decode` times PyTorch's SDPA (cuDNN, flash) on the same shapes, in the
-// same way, as rows decode/bf16/torch_<cudnn|flash>/... (fusedattn-bench's JSON schema, with GB/s).
+// same way, as rows decode/bf16/torch_<cudnn|flash>/... (fusedattn-bench's JSON schema, with GB/s). A first line
+// gives the card's read roof in the same run (a streaming read of 8 GiB).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +32,17 @@ __global__ void fill_kernel(E* x, std::size_t n, std::uint32_t seed) {
     h ^= h >> 13;
     x[i] = __float2bfloat16(float(h & 0xffff) / 32768.f - 1.f);
   }
+}
+
+/// The read roof: a grid-stride loop of 16-byte streaming loads (ld.global.cs) over `n` chunks, XOR-reduced so that
+/// nothing is optimised away; `sink` is written only for an impossible sum.
+__global__ void read_kernel(const uint4* x, std::size_t n, unsigned* sink) {
+  unsigned acc = 0;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(x + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
 }
 
 bool ok(cudaError_t e, const char* what) {
@@ -73,6 +85,19 @@ int main() {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("# device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  {  // the card's read roof in this run: 8 GiB of the pool read once per call, the best of three grid sizes
+    unsigned* sink = nullptr;
+    if (!ok(cudaMalloc(&sink, sizeof(unsigned)), "cudaMalloc(sink)")) return 1;
+    const std::size_t chunks = (std::size_t(8) << 30) / sizeof(uint4);
+    double best = 0;
+    for (int per_sm : {4, 8, 16}) {
+      const int blocks = per_sm * prop.multiProcessorCount;
+      const double us = time_calls([&](int) { read_kernel<<<blocks, 512>>>(reinterpret_cast<const uint4*>(pool), chunks, sink); }, 1, 10);
+      best = std::max(best, double(chunks) * sizeof(uint4) / us * 1e-3);
+    }
+    std::printf("# read roof %.1f GB/s (grid-stride ld.global.cs over 8 GiB)\n", best);
+    cudaFree(sink);
+  }
   std::mt19937_64 rng(1);
   for (int batch : {1, 8, 64})
     for (int s_kv : {4096, 32768, 131072}) {
