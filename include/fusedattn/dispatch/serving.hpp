@@ -241,6 +241,26 @@ inline status check_offsets_mirror(const char* name, const std::int32_t* cu, con
   return {};
 }
 
+#if FUSEDATTN_WITH_CUDA
+/// policy::cuda: where the host reads the device int32 array `dev` (named `dev_name`) from, written to `out`: its host
+/// mirror `mirror` (named `mirror_name`) where set, after cuda_backend::check_mirror (nothing read back); else, when
+/// `dev` is set and `n` > 0, `copy`, which receives its first `n` values read back on `stream` (the stream
+/// synchronised); else `dev` itself.
+inline status host_readable(const std::int32_t* dev, const std::int32_t* mirror, index_t n,
+                            std::vector<std::int32_t>& copy, cudaStream_t stream, const char* dev_name,
+                            const char* mirror_name, const std::int32_t*& out) {
+  out = dev;
+  if (mirror) {
+    if (status st = cuda_backend::check_mirror(dev, mirror, dev_name, mirror_name); !st) return st;
+    out = mirror;
+  } else if (dev && n > 0) {
+    if (status st = cuda_backend::table_to_host(dev, n, copy, stream, dev_name); !st) return st;
+    out = copy.data();
+  }
+  return {};
+}
+#endif
+
 /// The band mask of one sequence of a serving call, bound to its own lengths.
 template <class Mask>
 band_mask bind_sequence(const Mask& mask, const problem& p, index_t seq_q, index_t seq_kv) {
@@ -291,32 +311,18 @@ status attend_paged_impl(const Policy& pol, const problem& p, const tensor_ref<c
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
       const auto stream = static_cast<cudaStream_t>(pol.stream);
       if (status st = cuda_backend::serving_refuses_capture(stream, "attend_paged"); !st) return st;
-      if (kv.host_seq_lens) {
-        if (status st =
-                cuda_backend::check_mirror(kv.seq_lens, kv.host_seq_lens, "kv.seq_lens", "kv.host_seq_lens");
-            !st)
-          return st;
-        kv_host.seq_lens = kv.host_seq_lens;
-        lens_name = "kv.host_seq_lens";
-      } else if (kv.seq_lens && p.batch > 0) {
-        if (status st = cuda_backend::table_to_host(kv.seq_lens, p.batch, lens_copy, stream, "kv.seq_lens"); !st)
-          return st;
-        kv_host.seq_lens = lens_copy.data();
-      }
-      index_t entries = 0;
-      if (kv.host_block_table) {
-        if (status st = cuda_backend::check_mirror(kv.block_table, kv.host_block_table, "kv.block_table",
-                                                   "kv.host_block_table");
-            !st)
-          return st;
-        kv_host.block_table = kv.host_block_table;
-        table_name = "kv.host_block_table";
-      } else if (kv.block_table && kv.blocks_per_seq > 0 && p.batch > 0 &&
-                 mul_ok(p.batch, kv.blocks_per_seq, entries)) {
-        if (status st = cuda_backend::table_to_host(kv.block_table, entries, table_copy, stream, "kv.block_table"); !st)
-          return st;
-        kv_host.block_table = table_copy.data();
-      }
+      if (status st = host_readable(kv.seq_lens, kv.host_seq_lens, p.batch, lens_copy, stream, "kv.seq_lens",
+                                    "kv.host_seq_lens", kv_host.seq_lens);
+          !st)
+        return st;
+      index_t entries = 0;  // the block table's entries (none to copy where the shape gives no positive count)
+      if (kv.blocks_per_seq <= 0 || !mul_ok(p.batch, kv.blocks_per_seq, entries)) entries = 0;
+      if (status st = host_readable(kv.block_table, kv.host_block_table, entries, table_copy, stream,
+                                    "kv.block_table", "kv.host_block_table", kv_host.block_table);
+          !st)
+        return st;
+      if (kv.host_seq_lens) lens_name = "kv.host_seq_lens";
+      if (kv.host_block_table) table_name = "kv.host_block_table";
     }
 #endif
     if (status st = check_paged(p, kv_host, table_name, lens_name); !st) return st;
@@ -437,34 +443,16 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
       const auto stream = static_cast<cudaStream_t>(pol.stream);
       if (status st = cuda_backend::serving_refuses_capture(stream, "attend_ragged"); !st) return st;
-      if (rb.host_cu_seqlens_q) {
-        if (status st = cuda_backend::check_mirror(rb.cu_seqlens_q, rb.host_cu_seqlens_q, "ragged.cu_seqlens_q",
-                                                   "ragged.host_cu_seqlens_q");
-            !st)
-          return st;
-        rb_host.cu_seqlens_q = rb.host_cu_seqlens_q;
-        q_name = "host_cu_seqlens_q";
-      } else if (rb.cu_seqlens_q) {
-        if (status st = cuda_backend::table_to_host(rb.cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream,
-                                                    "ragged.cu_seqlens_q");
-            !st)
-          return st;
-        rb_host.cu_seqlens_q = cu_q_copy.data();
-      }
-      if (rb.host_cu_seqlens_kv) {
-        if (status st = cuda_backend::check_mirror(rb.cu_seqlens_kv, rb.host_cu_seqlens_kv, "ragged.cu_seqlens_kv",
-                                                   "ragged.host_cu_seqlens_kv");
-            !st)
-          return st;
-        rb_host.cu_seqlens_kv = rb.host_cu_seqlens_kv;
-        kv_name = "host_cu_seqlens_kv";
-      } else if (rb.cu_seqlens_kv) {
-        if (status st = cuda_backend::table_to_host(rb.cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream,
-                                                    "ragged.cu_seqlens_kv");
-            !st)
-          return st;
-        rb_host.cu_seqlens_kv = cu_kv_copy.data();
-      }
+      if (status st = host_readable(rb.cu_seqlens_q, rb.host_cu_seqlens_q, rb.sequences + 1, cu_q_copy, stream,
+                                    "ragged.cu_seqlens_q", "ragged.host_cu_seqlens_q", rb_host.cu_seqlens_q);
+          !st)
+        return st;
+      if (status st = host_readable(rb.cu_seqlens_kv, rb.host_cu_seqlens_kv, rb.sequences + 1, cu_kv_copy, stream,
+                                    "ragged.cu_seqlens_kv", "ragged.host_cu_seqlens_kv", rb_host.cu_seqlens_kv);
+          !st)
+        return st;
+      if (rb.host_cu_seqlens_q) q_name = "host_cu_seqlens_q";
+      if (rb.host_cu_seqlens_kv) kv_name = "host_cu_seqlens_kv";
     }
 #endif
     if (status st = check_offsets(q_name, rb_host.cu_seqlens_q, rb.sequences, p.seq_q, "problem.seq_q"); !st)
