@@ -1,12 +1,14 @@
-// Serving on CUDA (cuda.decode): attend_paged against a paged cache (pages of 16 and 64 tokens, both layouts,
-// shuffled block tables, unowned pool slots holding NaN), attend_ragged (decode over mixed lengths including 0 and 1,
-// and prefill sequence by sequence), plain attend on decode shapes (fa::plan names cuda.decode), GQA 32/8, 8/8 and
-// 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle; batches whose keys split over
-// the SMs (partial tiles, idle warps, short last splits) rerun bitwise; the NaN contract on a masked key; bad tables
-// and offsets refused with nothing written; score modifiers (softcap, ALiBi of both alignments, sinks, all three) on
-// paged and ragged calls, with a sequence of no keys (lse = the sink) and a split sequence (the sink counted once);
-// host mirrors of the tables and offsets (bitwise the result of reading them back, bad mirrors refused by name) and
-// the refusal of a stream being captured into a CUDA graph.
+// Serving on CUDA: attend_paged against a paged cache (pages of 16 and 64 tokens, both layouts, shuffled block
+// tables, unowned pool slots holding NaN), attend_ragged (decode over mixed lengths including 0 and 1 on cuda.decode;
+// prefill in one launch of the Hopper kernel, or sequence by sequence), plain attend on decode shapes (fa::plan names
+// cuda.decode), GQA 32/8, 8/8 and 8/1, head_dim 64/128/256, f16 and bf16, every tail — against the float64 oracle;
+// batches whose keys split over the SMs (partial tiles, idle warps, short last splits) rerun bitwise; the NaN
+// contract on a masked key; bad tables and offsets refused with nothing written; score modifiers (softcap, ALiBi of
+// both alignments, sinks, all three) on paged and ragged calls, with a sequence of no keys (lse = the sink) and a
+// split sequence (the sink counted once); ragged prefill in one launch (tails around the q-block, head_dims 64–256
+// and padded ones, GQA, every alignment, an inf or NaN in one sequence's V kept out of its neighbour's rows); host
+// mirrors of the tables and offsets (bitwise the result of reading them back, bad mirrors refused by name) and the
+// refusal of a stream being captured into a CUDA graph.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -381,12 +383,94 @@ TEMPLATE_TEST_CASE("cuda paged and ragged calls apply score modifiers like the f
       // Ragged decode in one launch, and ragged prefill sequence by sequence.
       run_ragged<T>({1, 1, 1, 1}, {0, 37, 512, 129}, 32, 8, 128, call, &oracle);
       run_ragged<T>({3, 0, 50, 1}, {3, 5, 50, 70}, 32, 8, 128, call, &oracle);
+      // Ragged prefill in one launch (the Hopper kernel), keys past a sequence's own in its last tile.
+      run_ragged<T>({130, 7, 0, 260}, {130, 300, 9, 200}, 32, 8, 128, call, &oracle);
     }
   // One long sequence split over many blocks: the sink joins split 0 only and the merge counts it once.
   const mod_set all = sets[4];
   const serving_mask call = with_mods(causal{align::bottom_right}, all, d_slopes.ptr, d_sinks.ptr);
   const serving_mask oracle = with_mods(causal{align::bottom_right}, all, slopes.data(), sink_logits.data());
   run_paged<T>({1, 32, 8, 1, 1, 128}, 16, page_layout::nhd, {20000, 4099}, call, &oracle);
+}
+
+TEMPLATE_TEST_CASE("cuda ragged prefill in one launch matches the float64 oracle: tails, masks, head_dims, GQA",
+                   "[gpu][serving][ragged]", Eigen::half, Eigen::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  // Query counts around the 128-row q-block and a 1-row one, a sequence of no rows; keys equal to the rows (prefill),
+  // or more (chunked prefill against a longer cache) with one sequence of no keys (O = 0, lse = −inf), or fewer
+  // (bottom-right rows that see no key). The Hopper kernel takes these in one launch (head_dim 64, 72–256); the
+  // checks hold on any kernel.
+  const std::vector<std::int32_t> rows = {127, 1, 0, 129, 300, 64, 5};
+  const std::vector<std::int32_t> longer = {327, 9, 4, 0, 310, 1000, 5};
+  const std::vector<std::int32_t> fewer = {100, 1, 0, 129, 250, 3, 5};
+  struct shape {
+    index_t heads, heads_kv, d;
+  };
+  for (const shape& s : {shape{8, 2, 128}, shape{8, 8, 64}, shape{4, 1, 96}, shape{4, 2, 192}, shape{4, 4, 256},
+                         shape{4, 2, 200}}) {
+    INFO("h=" << s.heads << " h_kv=" << s.heads_kv << " d=" << s.d);
+    run_ragged<T>(rows, rows, s.heads, s.heads_kv, s.d, causal{align::bottom_right});
+    run_ragged<T>(rows, longer, s.heads, s.heads_kv, s.d, dense{});
+    if (s.d == 128 || s.d == 64) {
+      run_ragged<T>(rows, longer, s.heads, s.heads_kv, s.d, causal{align::bottom_right});
+      run_ragged<T>(rows, fewer, s.heads, s.heads_kv, s.d, causal{align::bottom_right});
+      run_ragged<T>(rows, longer, s.heads, s.heads_kv, s.d, causal{align::top_left});
+      run_ragged<T>(rows, longer, s.heads, s.heads_kv, s.d, window{50, 3, align::bottom_right}, nullptr, {true, true});
+    }
+  }
+}
+
+TEST_CASE("cuda ragged prefill keeps an inf or NaN in one sequence's V out of the rows that do not see it",
+          "[gpu][serving][ragged]") {
+  if (!have_device()) return;
+  using T = Eigen::bfloat16;
+  // Three sequences of 100, 150 and 70 tokens, a window of 20 keys back: sequence 1's key 0 holds NaN in V,
+  // sequence 2's key 0 inf. Sequence 0's last key tile reaches into sequence 1's keys (masked: its rows stay
+  // finite); in sequences 1 and 2 rows 0–20 see their key 0 (O not finite), rows 21– do not (finite).
+  const std::vector<std::int32_t> lens = {100, 150, 70}, cu = {0, 100, 250, 320};
+  const index_t heads = 8, heads_kv = 2, d = 128, total = cu.back();
+  const problem p{1, heads, heads_kv, total, total, d};
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  INFO("seed=" << seed);
+  std::vector<T> q = uniform_values<T>(rng, total * heads * d), k = uniform_values<T>(rng, total * heads_kv * d),
+                 v = uniform_values<T>(rng, total * heads_kv * d);
+  for (index_t h = 0; h < heads_kv; ++h)
+    for (index_t c = 0; c < d; ++c) {
+      v[std::size_t((cu[1] * heads_kv + h) * d + c)] = T(std::numeric_limits<float>::quiet_NaN());
+      v[std::size_t((cu[2] * heads_kv + h) * d + c)] = T(std::numeric_limits<float>::infinity());
+    }
+  dev<T> dq(q), dk(k), dv(v), d_o(std::vector<T>(q.size(), T(7.0f)));
+  dev<std::int32_t> dcu(cu);
+  dev<float> dlse(std::vector<float>(std::size_t(p.lse_size()), 123.0f));
+  const window mask{20, 0, align::bottom_right};
+  const status st = gpu::attend_ragged_cuda<T>(p, ragged_batch{3, dcu.ptr, dcu.ptr}, bshd<const T>(dq.ptr, p.q_dims()),
+                                               bshd<const T>(dk.ptr, p.kv_dims()), bshd<const T>(dv.ptr, p.kv_dims()),
+                                               bshd(d_o.ptr, p.o_dims()), mask, dlse.ptr);
+  INFO(st.what());
+  REQUIRE(st.ok());
+  const std::vector<T> o = d_o.get();
+  const std::vector<float> lse = dlse.get();
+  for (index_t b = 0; b < 3; ++b)
+    for (index_t i = 0; i < lens[std::size_t(b)]; ++i) {
+      const index_t token = cu[std::size_t(b)] + i;
+      const bool sees_bad = b > 0 && i <= 20;
+      INFO("sequence " << b << " row " << i);
+      for (index_t h = 0; h < heads; ++h) {
+        bool finite = true;
+        for (index_t c = 0; c < d; ++c) finite = finite && std::isfinite(float(o[std::size_t((token * heads + h) * d + c)]));
+        CHECK(finite == !sees_bad);
+        CHECK(std::isfinite(lse[std::size_t(h * total + token)]));  // V does not reach lse
+      }
+    }
+  // Sequence 0's values against the oracle (its own inputs are finite).
+  problem p0 = p;
+  p0.seq_q = p0.seq_kv = lens[0];
+  const tensor_ref<const T> qa = bshd<const T>(q.data(), p.q_dims()), ka = bshd<const T>(k.data(), p.kv_dims()),
+                            va = bshd<const T>(v.data(), p.kv_dims());
+  check_sequence<T>(p0, {qa.data, p0.q_dims(), qa.stride}, {ka.data, p0.kv_dims(), ka.stride},
+                    {va.data, p0.kv_dims(), va.stride}, mask, o.data(), heads * d, d, lse.data(), total);
 }
 
 /// Checks every sequence of a decode_case's O and lse (read back) against the oracle.

@@ -471,7 +471,7 @@ status attend_ragged_impl(const Policy& pol, const problem& p, const ragged_batc
     if constexpr (std::is_same<Policy, policy::cuda>::value) {
 #if FUSEDATTN_WITH_CUDA
       return cuda_backend::attend_ragged<T>(
-          pol, p, rb.sequences, rb_host.cu_seqlens_q, rb_host.cu_seqlens_kv, rb.cu_seqlens_kv, q, k, v, o,
+          pol, p, rb.sequences, rb_host.cu_seqlens_q, rb_host.cu_seqlens_kv, rb.cu_seqlens_q, rb.cu_seqlens_kv, q, k, v, o,
           [&](index_t nq, index_t nk) { return bind_sequence(mask, p, nq, nk); }, lse);
 #else
       return {errc::unsupported, "fusedattn was built without CUDA support (FUSEDATTN_WITH_CUDA is off)"};

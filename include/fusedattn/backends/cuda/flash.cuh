@@ -41,6 +41,7 @@
 #include "error.cuh"
 #include "mma.cuh"
 #include "nonfinite.cuh"
+#include "ragged.cuh"
 #include "scratch.cuh"
 
 namespace fusedattn {
@@ -84,6 +85,14 @@ struct flash_params_t {
   /// The repair pass's flag (launch_flash_repair; null: no repair follows): a block whose O holds an inf or NaN
   /// sets it to 1, and flash_repair_kernel returns at once while it is 0.
   int* nonfinite = nullptr;
+  /// A ragged batch in one launch (ragged.cuh; the warp-specialised Hopper kernel and the repair pass; null cu_q:
+  /// not ragged): Q, K, V, O are packed (batch 1, seq_q and seq_kv the token totals, lse [h][token]), sequence b
+  /// owns rows [cu_q[b], cu_q[b + 1]) and keys [cu_kv[b], cu_kv[b + 1]), `mask` is bound to lengths (0, 0) and
+  /// `shift` rebinds it to each sequence's; `ragged_items` counts the work items (ragged_items()).
+  const int* cu_q = nullptr;
+  const int* cu_kv = nullptr;
+  int ragged_items = 0;
+  ragged_shift shift{};
 };
 using flash_params = flash_params_t<band_mask>;
 
@@ -583,6 +592,43 @@ __global__ void __launch_bounds__(Tile::threads) flash_repair_kernel(const flash
   }
 }
 
+/// flash_repair_kernel for a ragged batch in one launch (p.cu_q set; ragged.cuh): the ragged work items of the mma.sync
+/// tile (p.ragged_items, counted with its block_m), each q-block to recompute run on its sequence's view (Q, K, V, O
+/// from the sequence's first row and key, its lengths, the mask rebound to them). lse stays as the flash kernel wrote
+/// it: m and l do not depend on V, and a row whose own inputs are not finite comes out the same either way.
+template <class E, class Tile, bool Mods = false>
+__global__ void __launch_bounds__(Tile::threads) flash_repair_ragged_kernel(const flash_params_t<band_mask> p) {
+  if (*p.nonfinite == 0) return;
+  constexpr int BM = Tile::block_m;
+  const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : Tile::chunks;
+  ragged_cursor seq;
+  for (int x = blockIdx.x; x < p.ragged_items; x += gridDim.x) {
+    seq.seek(p.cu_q, p.heads, BM, x);
+    const int h = seq.head(x), m_block = seq.m_block(x), q0 = m_block * BM;
+    const int rows = q0 + BM < seq.nq ? BM : seq.nq - q0;
+    const E* o_seq = static_cast<const E*>(p.o) + h * p.o_stride.h + static_cast<index_t>(seq.q0) * p.o_stride.s;
+    unsigned bad = 0;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < rows * cols_ch; c += Tile::threads)
+      bad |= unsigned(has_nonfinite<E, 8>(o_seq + (q0 + c / cols_ch) * p.o_stride.s + (c % cols_ch) * 8, 0, 1));
+    if (__syncthreads_or(bad != 0)) {
+      flash_params_t<band_mask> ps = p;
+      const int k0 = p.cu_kv[seq.b], nk = p.cu_kv[seq.b + 1] - k0;
+      ps.q = static_cast<const E*>(p.q) + static_cast<index_t>(seq.q0) * p.q_stride.s;
+      ps.k = static_cast<const E*>(p.k) + static_cast<index_t>(k0) * p.k_stride.s;
+      ps.v = static_cast<const E*>(p.v) + static_cast<index_t>(k0) * p.v_stride.s;
+      ps.o = static_cast<E*>(p.o) + static_cast<index_t>(seq.q0) * p.o_stride.s;
+      ps.lse = nullptr;
+      ps.seq_q = seq.nq;
+      ps.seq_kv = nk;
+      ps.mask = sequence_band(p.mask, p.shift, seq.nq, nk);
+      ps.cu_q = ps.cu_kv = nullptr;
+      flash_forward_block<E, Tile, band_mask, true, Mods>(ps, m_block, h, 0);
+      __syncthreads();  // the next q-block's loads overwrite the tiles this one read last
+    }
+  }
+}
+
 /// Combines the split parts of row (b, h, i) = blockIdx.x, one thread per column c of head_dim (the tile's: the
 /// parts' row length; columns from p.head_dim on, if set, are not stored):
 ///   m = max_s lse_s,  w_s = exp(lse_s − m),  O = Σ_s w_s·O_s / Σ_s w_s,  lse = m + log Σ_s w_s
@@ -818,6 +864,28 @@ status launch_flash_repair(flash_params_t<Mask> p, cudaStream_t stream) {
   const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
   kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
   return last_launch("flash_repair_kernel");
+}
+
+/// Launches flash_repair_ragged_kernel for a ragged call's `p` (p.nonfinite its flag; `host_cu_q` the query offsets
+/// as the host reads them): one block per multiprocessor (at most one per work item).
+template <class E, class Tile, bool Mods = false>
+status launch_flash_repair_ragged(flash_params_t<band_mask> p, const std::int32_t* host_cu_q, index_t sequences,
+                                  cudaStream_t stream) {
+  constexpr int smem = Tile::smem_elems * int(sizeof(E));
+  const auto kernel = flash_repair_ragged_kernel<E, Tile, Mods>;
+  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                            "cudaFuncSetAttribute(flash_repair_ragged_kernel)");
+      !st)
+    return st;
+  int multiprocessors = 0;
+  if (status st = device_multiprocessors(multiprocessors); !st) return st;
+  p.splits = 1;
+  p.o_part = p.lse_part = nullptr;
+  const index_t items = ragged_items(host_cu_q, sequences, p.heads, Tile::block_m);
+  if (items == 0) return {};
+  p.ragged_items = int(items);
+  kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
+  return last_launch("flash_repair_ragged_kernel");
 }
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.

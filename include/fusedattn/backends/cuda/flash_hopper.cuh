@@ -257,11 +257,13 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&al
 /// which the caller copies out once every warp has staged its rows (store_rows, or a TMA store). 1/l is the
 /// approximate reciprocal (__fdividef, 2 ulp): O is rounded to 16 bits after it. With `Mods` the sink joins l first
 /// (add_sink; a split's parts leave it to flash_merge_kernel). A block whose O holds an inf or NaN raises the repair
-/// pass's flag (flag_nonfinite).
-template <class E, class Tile, class Mask, bool Mods>
+/// pass's flag (flag_nonfinite). `Ragged` (a ragged batch, ragged.cuh): the q-block's sequence starts at packed row
+/// `seq_q0` and has `seq_rows` rows; lse goes to [h][seq_q0 + row].
+template <class E, class Tile, class Mask, bool Mods, bool Ragged = false>
 __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float (&acc)[Tile::head_dim / 8][4],
                                             const float (&m_run)[2], const float (&l_run)[2], const softmax_rows& w,
-                                            int b, int h, int split, int q0, E* stage, const tile_mods& mods) {
+                                            int b, int h, int split, int q0, E* stage, const tile_mods& mods,
+                                            int seq_q0 = 0, int seq_rows = 0) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m;
   constexpr float ln2 = float(fusedattn::ln2);
   flag_nonfinite(p.nonfinite, acc);
@@ -288,6 +290,8 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
       for (int n = 0; n < D / 8; ++n)
         *reinterpret_cast<float2*>(p.o_part + part_row * D + n * 8 + 2 * w.t) =
             make_float2(acc[n][2 * r] * inv_l[r], acc[n][2 * r + 1] * inv_l[r]);
+    } else if constexpr (Ragged) {
+      if (p.lse != nullptr && w.t == 0 && row < seq_rows) p.lse[static_cast<index_t>(h) * p.seq_q + seq_q0 + row] = lse;
     } else if (p.lse != nullptr && w.t == 0 && row < p.seq_q) {
       p.lse[(static_cast<index_t>(b) * p.heads + h) * p.seq_q + row] = lse;
     }
@@ -479,7 +483,9 @@ struct hopper_ws_shared {
   int k0[2], seg_begin[2], seg_end[2], last[2];  ///< per K buffer
   int has_tiles[2];                               ///< per Q buffer: the item has at least one key tile
   int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
+  int seq[2][4];  ///< per Q buffer, ragged calls: the sequence's first row, its rows, its first key, its keys
 };
+static_assert(sizeof(hopper_ws_shared) <= 256, "hopper_tile::ws_smem_bytes leaves 256 bytes for the bookkeeping");
 
 /// Registers a thread of flash_hopper_ws_kernel keeps after setmaxnreg. The block holds what its threads were
 /// launched with — 64K shared out evenly, in steps of 8 (168 a thread for two consumer warpgroups, 128 for three,
@@ -548,7 +554,7 @@ struct hopper_ws_scheduler {
 /// "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
 /// It forms the shared-memory layout from the dynamic array itself, as the kernel does (the arithmetic then folds
 /// into each access as in one function; handed the kernel's pointers, ptxas schedules the kernel differently).
-template <class E, class Tile, class Mask>
+template <class E, class Tile, class Mask, bool Ragged = false>
 __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
                                                   const hopper_ws_scheduler<Mask, Tile::block_m>& sched) {
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, QB = Tile::q_buffers;
@@ -567,28 +573,48 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
     mbarrier_expect_bytes(bar, rows * D * int(sizeof(E)));
     for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
   };
+  // Item x; for a ragged batch also its sequence (first row, rows, first key, keys: ragged_cursor, every item in
+  // batch 0 of the packed tensors), else seq is (0, seq_q, 0, seq_kv).
+  ragged_cursor cursor;
+  auto item_at = [&](int x, int (&seq)[4]) {
+    if constexpr (Ragged) {
+      cursor.seek(p.cu_q, p.heads, BM, x);
+      seq[0] = cursor.q0, seq[1] = cursor.nq, seq[2] = p.cu_kv[cursor.b], seq[3] = p.cu_kv[cursor.b + 1] - seq[2];
+      return hopper_item{cursor.m_block(x), cursor.head(x), 0, 0};
+    } else {
+      seq[0] = 0, seq[1] = p.seq_q, seq[2] = 0, seq[3] = p.seq_kv;
+      return sched.at(x);
+    }
+  };
+  auto item_mask = [&](const hopper_item& it, const int (&seq)[4]) {
+    if constexpr (Ragged) return sequence_band(p.mask, p.shift, seq[1], seq[3]);
+    else return head_mask(p.mask, it.b, it.h);
+  };
   // Item n's Q into buffer n % QB, once the consumers have freed it, with the item and whether it has a key tile
   // (the loop below walks the item again for its tiles: a second at() and first() on this one thread).
   auto load_q = [&](int n) {
     const int x = sched.index(n);
     if (x >= sched.items) return;
-    const hopper_item it = sched.at(x);
-    const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-    key_tiles<Mask, BN> tiles(head_mask(p.mask, it.b, it.h), q0, q1);
+    int seq[4];
+    const hopper_item it = item_at(x, seq);
+    const int q0 = it.m_block * BM, q1 = q0 + BM < seq[1] ? q0 + BM : seq[1];
+    key_tiles<Mask, BN> tiles(item_mask(it, seq), q0, q1);
     const int qb = n % QB;
     mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
     // Published by the arrival below (release): the consumers read the item from here.
     ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
     ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
-    tma_tile(sq + qb * BM * D, p.q_map, p.q_order, q0, it.h, it.b, BM, &ws.q_full[qb]);
+    if constexpr (Ragged) ws.seq[qb][0] = seq[0], ws.seq[qb][1] = seq[1], ws.seq[qb][2] = seq[2], ws.seq[qb][3] = seq[3];
+    tma_tile(sq + qb * BM * D, p.q_map, p.q_order, seq[0] + q0, it.h, it.b, BM, &ws.q_full[qb]);
   };
   constexpr bool early_q = QB > 1;
   if (early_q) load_q(0);
   int kt = 0;
   for (int n = 0, x = sched.index(0); x < sched.items; x = sched.index(++n)) {
-    const hopper_item it = sched.at(x);
-    const int q0 = it.m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
-    const Mask mask = head_mask(p.mask, it.b, it.h);
+    int seq[4];
+    const hopper_item it = item_at(x, seq);
+    const int q0 = it.m_block * BM, q1 = q0 + BM < seq[1] ? q0 + BM : seq[1];
+    const Mask mask = item_mask(it, seq);
     key_tiles<Mask, BN> tiles(mask, q0, q1);
     const int k_first = tiles.first(it.split, p.splits);
     if (!early_q) load_q(n);
@@ -602,9 +628,9 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
       ws.seg_begin[stage] = seg_begin;
       ws.seg_end[stage] = seg_end;
       ws.last[stage] = k_next < 0;
-      tma_tile(sk + stage * BN * D, p.k_map, p.k_order, k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
+      tma_tile(sk + stage * BN * D, p.k_map, p.k_order, seq[2] + k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
       mbarrier_wait(&ws.v_empty[stage], parity);
-      tma_tile(sv + stage * BN * D, p.v_map, p.v_order, k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
+      tma_tile(sv + stage * BN * D, p.v_map, p.v_order, seq[2] + k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
       if (early_q && (i == 1 || (k_next < 0 && i == 0))) load_q(n + 1);
     }
   }
@@ -644,9 +670,10 @@ struct hopper_ws_turns {
 /// (tensor map p.o_map; rows past seq_q are clipped by the copy). The buffer is freed once the copy has read them;
 /// with two Q buffers that thread waits for the read only after the next item's first scores are issued
 /// (release_stored). The producer gives back registers (setmaxnreg 24) so that the consumers may take 240.
-template <class E, class Tile, class Mask, bool Mods = false>
+template <class E, class Tile, class Mask, bool Mods = false, bool Ragged = false>
 __global__ void __launch_bounds__(Tile::threads + 128, 1)
     flash_hopper_ws_kernel(const __grid_constant__ flash_params_t<Mask> p) {
+  static_assert(!Ragged || std::is_same_v<Mask, band_mask>, "a ragged batch takes a band mask");
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::block_m, BN = Tile::block_n, QB = Tile::q_buffers;
   constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment: no tile reaches past it
@@ -672,13 +699,13 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
 
   // The work items (hopper_ws_scheduler) and the buffers' round robin (hopper_ws_produce).
   const int q_blocks = (p.seq_q + BM - 1) / BM;
-  const int items = q_blocks * p.heads * p.splits * p.batch;
+  const int items = Ragged ? p.ragged_items : q_blocks * p.heads * p.splits * p.batch;
   const hopper_ws_scheduler<Mask, BM> sched{p, q_blocks, items};
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: thread 0 issues every copy, the others leave
     if constexpr (Tile::warpgroups > 1) warpgroup_registers_dec<hopper_producer_registers>();
     if (threadIdx.x != 0) return;
-    hopper_ws_produce<E, Tile, Mask>(p, sched);
+    hopper_ws_produce<E, Tile, Mask, Ragged>(p, sched);
     return;
   }
 
@@ -723,9 +750,23 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     const hopper_item it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
     const int q0 = it.m_block * BM;
     const int row0 = q0 + 16 * warp;
-    const softmax_rows w{row0, row0 + 16 < p.seq_q ? row0 + 16 : p.seq_q, lane / 4, lane % 4, p.scale_log2};
-    const band32 rule = element_rule(head_mask(p.mask, it.b, it.h));
-    [[maybe_unused]] const tile_mods mods = make_tile_mods<Mods>(p.mask, it.h, p.scale_log2);
+    // A ragged batch's item: its sequence's first row, rows and keys, and the mask bound to them.
+    [[maybe_unused]] int seq_q0 = 0, seq_rows = 0;
+    [[maybe_unused]] band_mask seq_mask;
+    if constexpr (Ragged) {
+      seq_q0 = ws.seq[qb][0], seq_rows = ws.seq[qb][1];
+      seq_mask = sequence_band(p.mask, p.shift, seq_rows, ws.seq[qb][3]);
+    }
+    const int row_end = Ragged ? seq_rows : p.seq_q;
+    const softmax_rows w{row0, row0 + 16 < row_end ? row0 + 16 : row_end, lane / 4, lane % 4, p.scale_log2};
+    const band32 rule = [&] {
+      if constexpr (Ragged) return element_rule(seq_mask);
+      else return element_rule(head_mask(p.mask, it.b, it.h));
+    }();
+    [[maybe_unused]] const tile_mods mods = [&] {
+      if constexpr (Ragged) return make_tile_mods<Mods>(seq_mask, it.h, p.scale_log2);
+      else return make_tile_mods<Mods>(p.mask, it.h, p.scale_log2);
+    }();
     if (ws.has_tiles[qb]) {
       std::uint32_t pk[BN / 8][2];  // P of tile kt − 1, whose P·V is next
       mbarrier_wait(&ws.k_full[kt % 2], (kt / 2) & 1);
@@ -800,9 +841,23 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     // store has read it).
     release_stored();  // an item without key tiles issued no scores
     E* stage = sq + qb * BM * D;
-    finish_rows<E, Tile, Mask, Mods>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage, mods);
+    finish_rows<E, Tile, Mask, Mods, Ragged>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage, mods, seq_q0,
+                                             seq_rows);
     fence_proxy_async();  // the staged rows (generic proxy) precede the TMA store's reads, the Q reads its next write
-    if (p.splits == 1) {
+    if constexpr (Ragged) {
+      // A TMA store of the box would write the next sequence's rows: the warpgroup's threads copy its staged rows
+      // that belong to the sequence, 16-byte chunks of the problem's columns.
+      named_barrier(1 + wg, 128);
+      const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : D / 8;
+      E* o_seq = static_cast<E*>(p.o) + it.h * p.o_stride.h + static_cast<index_t>(seq_q0) * p.o_stride.s;
+      for (int c = ct % 128; c < 64 * cols_ch; c += 128) {
+        const int r = 64 * wg + c / cols_ch, ch = c % cols_ch;
+        if (q0 + r < seq_rows)
+          *reinterpret_cast<uint4*>(o_seq + static_cast<index_t>(q0 + r) * p.o_stride.s + ch * 8) =
+              *reinterpret_cast<const uint4*>(stage + atom_offset<BM>(r, ch));
+      }
+      fence_proxy_async();  // these reads (generic proxy) precede the next Q's TMA write into the buffer
+    } else if (p.splits == 1) {
       named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
       if (ct % 128 == 0) {
         int at[3];
@@ -1002,6 +1057,59 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
   }
   return with_default_tile(cols, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
                            [&](auto tile) { return launch_flash<E, decltype(tile), Mask, Mods>(p, stream); });
+}
+
+/// Runs a ragged batch (ragged.cuh; p: the packed views, p.cu_q and p.cu_kv the device offsets, p.mask bound to
+/// lengths (0, 0) and p.shift) in one launch of flash_hopper_ws_kernel<..., Ragged = true> on `Tile` (a
+/// warp-specialised tile; hopper_flash_ready must have said yes), a persistent grid over the ragged work items, then
+/// its repair pass (flash_repair_ragged_kernel: a tile's keys past its sequence are the next sequence's, masked, and
+/// an inf or NaN in their V rows would reach O through the tensor-core product as for any masked key).
+/// `host_cu_q`: the query offsets as the host reads them. errc::unsupported when the driver refuses a tensor map
+/// (the caller then runs the sequences one by one).
+template <class E, class Tile, bool Mods = false>
+status launch_flash_hopper_ragged(flash_params_t<band_mask> p, const std::int32_t* host_cu_q, index_t sequences,
+                                  cudaStream_t stream) {
+  static_assert(Tile::warp_specialized, "a ragged batch runs the warp-specialised kernel");
+  constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
+  const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
+  const index_t heads_kv = p.heads / p.group;
+  if (!make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, 1, p.k_stride, Tile::block_n) ||
+      !make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, 1, p.v_stride, Tile::block_n) ||
+      !make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, 1, p.q_stride, Tile::block_m))
+    return {errc::unsupported, "the driver refused a tensor map of the ragged batch"};
+  const index_t items = ragged_items(host_cu_q, sequences, p.heads, Tile::block_m);
+  if (items == 0) return {};
+  int multiprocessors = 0;
+  if (status st = device_multiprocessors(multiprocessors); !st) return st;
+  p.splits = 1;
+  p.o_part = p.lse_part = nullptr;
+  p.q_block_major = 0;
+  p.ragged_items = int(items);
+  struct flag_owner {  // frees the repair flag in stream order, after both kernels
+    void* ptr = nullptr;
+    cudaStream_t stream;
+    ~flag_owner() {
+      if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+    }
+  } flag{nullptr, stream};
+  if (status st = scratch_allocate(flag.ptr, sizeof(int), stream, "cudaMallocFromPoolAsync(repair pass flag)"); !st)
+    return st;
+  p.nonfinite = static_cast<int*>(flag.ptr);
+  if (status st = from_cuda(cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream), "cudaMemsetAsync(repair flag)"); !st)
+    return st;
+  const auto kernel = flash_hopper_ws_kernel<E, Tile, band_mask, Mods, true>;
+  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 Tile::ws_smem_bytes),
+                            "cudaFuncSetAttribute(flash kernel)");
+      !st)
+    return st;
+  kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads + 128, Tile::ws_smem_bytes, stream>>>(p);
+  if (status st = last_launch("flash kernel (ragged)"); !st) return st;
+  return with_default_tile(cols, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
+                           [&](auto tile) {
+                             return launch_flash_repair_ragged<E, decltype(tile), Mods>(p, host_cu_q, sequences,
+                                                                                        stream);
+                           });
 }
 
 }  // namespace cuda_backend

@@ -1,8 +1,8 @@
 /// @file serving.cuh
 /// The CUDA side of attend_paged and attend_ragged (dispatch/serving.hpp): the block table, lengths and offsets are
 /// validated on the host (the caller's host mirrors, or copies read back from the device), decode shapes run the
-/// decode kernel (decode.cuh) on the cache in place, and ragged batches of other shapes run attend's CUDA kernels
-/// one sequence at a time.
+/// decode kernel (decode.cuh) on the cache in place, ragged batches of other shapes the Hopper kernel in one launch
+/// (ragged.cuh) where it applies, else attend's CUDA kernels one sequence at a time.
 #pragma once
 
 #include <algorithm>
@@ -97,13 +97,56 @@ status attend_paged(const policy::cuda& pol, const problem& p, const tensor_ref<
   return launch_decode<T>(p, dp, max_len, static_cast<cudaStream_t>(pol.stream));
 }
 
+/// A ragged batch of 16-bit Q, K, V, O on the Hopper kernel in one launch (launch_flash_hopper_ragged), or
+/// errc::unsupported (nothing launched) where it does not apply: not a Hopper with sm_90a code, a head_dim outside 64
+/// (without score modifiers) and 72–256 in steps of 8, views that are not 16-byte aligned with unit column strides,
+/// or extents past flash_grid_fits. `cu_q` is the host's view of the query offsets, `dev_cu_q` and `dev_cu_kv` the
+/// device arrays the kernel reads.
+template <class T, class BindLen>
+status attend_ragged_hopper(const problem& p, index_t sequences, const std::int32_t* cu_q, const std::int32_t* dev_cu_q,
+                            const std::int32_t* dev_cu_kv, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
+                            const tensor_ref<const T>& v, const tensor_ref<T>& o, BindLen&& bind_len, float* lse,
+                            cudaStream_t stream) {
+  using E = device_t<T>;
+  const status no{errc::unsupported, "the Hopper kernel does not take this ragged batch"};
+  if constexpr (!(std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>)) {
+    return no;
+  } else {
+    const band_mask m0 = bind_len(index_t(0), index_t(0));
+    const bool mods = m0.mods.any();
+    const index_t d = p.head_dim;
+    const bool fits = d % 8 == 0 && ((d == 64 && !mods) || (d >= 72 && d <= 256));
+    if (!fits || !flash_grid_fits(p).ok() || q.stride.d != 1 || k.stride.d != 1 || v.stride.d != 1 || o.stride.d != 1 ||
+        !flash_aligned(q) || !flash_aligned(k) || !flash_aligned(v) || !flash_aligned(o) || !hopper_flash_ready(stream))
+      return no;
+    flash_params_t<band_mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
+                                 1, int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
+                                 static_cast<float>(p.softmax_scale() * log2e), m0, 1, nullptr, nullptr};
+    fp.head_dim = int(d);
+    fp.cu_q = dev_cu_q;
+    fp.cu_kv = dev_cu_kv;
+    fp.shift = ragged_shift_of(bind_len);
+    const auto run = [&](auto tile, auto with_mods) {
+      return launch_flash_hopper_ragged<E, decltype(tile), decltype(with_mods)::value>(fp, cu_q, sequences, stream);
+    };
+    if (d == 64) return run(typename hopper_whole_row_tile<64>::type{}, std::false_type{});
+    const auto by_width = [&](auto with_mods) {
+      if (d <= 128) return run(typename hopper_default_tile<128>::type{}, with_mods);
+      if (d <= 192) return run(typename hopper_default_tile<192>::type{}, with_mods);
+      return run(typename hopper_default_tile<256>::type{}, with_mods);
+    };
+    return mods ? by_width(std::true_type{}) : by_width(std::false_type{});
+  }
+}
+
 /// attend_ragged on policy::cuda after validation (offsets checked on the host: cu_q, cu_kv, mirrors or copies; the
-/// device array of key offsets is dev_cu_kv). Every sequence with the same query count n and a decode shape: one decode launch over the
-/// packed K/V. Otherwise attend's CUDA kernels run one sequence at a time (flash where it applies), each sequence's
-/// lse copied into its place. `bind_len(n, L)` binds the mask to n rows and L keys.
+/// device arrays are dev_cu_q and dev_cu_kv). Every sequence with the same query count n and a decode shape: one
+/// decode launch over the packed K/V. Otherwise the Hopper kernel in one launch (attend_ragged_hopper), or where it
+/// does not apply attend's CUDA kernels one sequence at a time (flash where it applies), each sequence's lse copied
+/// into its place. `bind_len(n, L)` binds the mask to n rows and L keys.
 template <class T, class BindLen>
 status attend_ragged(const policy::cuda& pol, const problem& p, index_t sequences, const std::int32_t* cu_q,
-                     const std::int32_t* cu_kv, const std::int32_t* dev_cu_kv, const tensor_ref<const T>& q,
+                     const std::int32_t* cu_kv, const std::int32_t* dev_cu_q, const std::int32_t* dev_cu_kv, const tensor_ref<const T>& q,
                      const tensor_ref<const T>& k, const tensor_ref<const T>& v, const tensor_ref<T>& o,
                      BindLen&& bind_len, float* lse) {
   if (status st = check_device_pointers(q, k, v, o, lse, bind_len(index_t(1), index_t(0)).mods); !st) return st;
@@ -135,6 +178,11 @@ status attend_ragged(const policy::cuda& pol, const problem& p, index_t sequence
       return launch_decode<T>(pb, dp, max_kv, stream);
     }
   }
+  // The Hopper kernel takes the whole batch in one launch where it applies (and the policy asks for no other kernel).
+  if (pol.kernel == policy::cuda_kernel::automatic || pol.kernel == policy::cuda_kernel::flash)
+    if (status st = attend_ragged_hopper<T>(p, sequences, cu_q, dev_cu_q, dev_cu_kv, q, k, v, o, bind_len, lse, stream);
+        st.code() != errc::unsupported)
+      return st;
   // One call per sequence; an lse staging buffer of heads × the longest query count.
   index_t max_q = 0;
   for (index_t b = 0; b < sequences; ++b) max_q = std::max<index_t>(max_q, cu_q[b + 1] - cu_q[b]);
