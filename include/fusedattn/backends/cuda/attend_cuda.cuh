@@ -259,10 +259,7 @@ status run_flash(const problem& p, const tensor_ref<const T>& q, const tensor_re
                  cudaStream_t stream, bool portable = false, bool concurrent = false) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
-    flash_params_t<Mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
-                            int(p.batch), int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
-                            static_cast<float>(p.softmax_scale() * log2e), mask, 1, nullptr, nullptr};
-    fp.head_dim = int(p.head_dim);
+    flash_params_t<Mask> fp = flash_params_of(p, q, k, v, o, mask, lse);
     fp.per_item = concurrent ? 1 : 0;
     if (mods_of(mask).any()) return run_flash_route<true, E>(p, fp, mask, stream, portable);
     return run_flash_route<false, E>(p, fp, mask, stream, portable);

@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "../../core/online_softmax.hpp"
+#include "../../core/problem.hpp"
 #include "../../core/status.hpp"
 #include "../../core/tensor.hpp"
 #include "../../kernels/block_sparse.hpp"
@@ -95,6 +96,35 @@ struct flash_params_t {
   ragged_shift shift{};
 };
 using flash_params = flash_params_t<band_mask>;
+
+/// The parameters every flash launch starts from, filled by name: the views' addresses and strides, the problem's
+/// extents, head_dim and softmax scale, the bound mask; one split, no scratch, no repair flag (the launch functions
+/// and callers set those, and the Hopper tensor maps and ragged fields, where they apply).
+template <class Mask, class In, class Out>
+flash_params_t<Mask> flash_params_of(const problem& p, const tensor_ref<const In>& q, const tensor_ref<const In>& k,
+                                     const tensor_ref<const In>& v, const tensor_ref<Out>& o, const Mask& mask,
+                                     float* lse) {
+  flash_params_t<Mask> fp{};
+  fp.q = q.data;
+  fp.k = k.data;
+  fp.v = v.data;
+  fp.o = o.data;
+  fp.lse = lse;
+  fp.q_stride = q.stride;
+  fp.k_stride = k.stride;
+  fp.v_stride = v.stride;
+  fp.o_stride = o.stride;
+  fp.batch = int(p.batch);
+  fp.heads = int(p.heads);
+  fp.group = int(p.group_size());
+  fp.seq_q = int(p.seq_q);
+  fp.seq_kv = int(p.seq_kv);
+  fp.head_dim = int(p.head_dim);
+  fp.scale_log2 = static_cast<float>(p.softmax_scale() * log2e);
+  fp.mask = mask;
+  fp.splits = 1;
+  return fp;
+}
 
 /// Compile-time tile shape of one flash instantiation: `Warps` warps, each owning `WarpRows` (16 or 32) query rows,
 /// so a K or V fragment read from shared memory feeds WarpRows / 16 mma tiles. `Stages` K/V buffers: 1 streams V of

@@ -119,10 +119,7 @@ status attend_ragged_hopper(const problem& p, index_t sequences, const std::int3
     if (!fits || !flash_grid_fits(p).ok() || q.stride.d != 1 || k.stride.d != 1 || v.stride.d != 1 || o.stride.d != 1 ||
         !flash_aligned(q) || !flash_aligned(k) || !flash_aligned(v) || !flash_aligned(o) || !hopper_flash_ready(stream))
       return no;
-    flash_params_t<band_mask> fp{q.data, k.data, v.data, o.data, lse, q.stride, k.stride, v.stride, o.stride,
-                                 1, int(p.heads), int(p.group_size()), int(p.seq_q), int(p.seq_kv),
-                                 static_cast<float>(p.softmax_scale() * log2e), m0, 1, nullptr, nullptr};
-    fp.head_dim = int(d);
+    flash_params_t<band_mask> fp = flash_params_of(p, q, k, v, o, m0, lse);
     fp.cu_q = dev_cu_q;
     fp.cu_kv = dev_cu_kv;
     fp.shift = ragged_shift_of(bind_len);
