@@ -5,7 +5,9 @@
 # --block-sparse), and a table last. Logs and JSON go to $OUT (default ./gpu-out).
 #   bench/gpu/run.sh            build in build-gpu (needs .deps from shared/device/fetch-deps.sh), then run
 #   bench/gpu/run.sh BIN_DIR    use prebuilt test_gpu, bench_gpu (and optional test_gpu_broken) from BIN_DIR
-#   STAGES="tests sanitize broken bench torch peer" (the default: all) picks stages; FLEX_BUDGET caps FlexAttention's seconds;
+#   STAGES="tests sanitize broken bench torch peer" (the default) picks stages; the optional stage "ragged" (not in the
+#   default) runs fusedattn_bench_ragged and torch_peer.py --ragged (from BIN_DIR: $BIN/fusedattn_bench_ragged);
+#   FLEX_BUDGET caps FlexAttention's seconds;
 #   BROKEN_TAGS picks the test cases the broken build runs (default "[flash],[block_sparse]").
 set -uo pipefail
 STAGES=" ${STAGES:-tests sanitize broken bench torch peer} "
@@ -19,8 +21,10 @@ else
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
     -DFUSEDATTN_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DFUSEDATTN_BENCH_TILE_SWEEP=ON \
     -DFUSEDATTN_BUILD_EXAMPLES=OFF >/dev/null &&
-    cmake --build build-gpu --target test_gpu fusedattn_bench_gpu || exit 1
+    cmake --build build-gpu --target test_gpu fusedattn_bench_gpu \
+      $([[ $STAGES == *" ragged "* ]] && echo fusedattn_bench_ragged) || exit 1
   BIN=build-gpu
+  [[ $STAGES == *" ragged "* ]] && ln -sf bench/gpu/fusedattn_bench_ragged build-gpu/fusedattn_bench_ragged
   ln -sf tests/gpu/test_gpu build-gpu/test_gpu
   ln -sf bench/gpu/fusedattn_bench_gpu build-gpu/bench_gpu
 fi
@@ -66,5 +70,11 @@ if [[ $STAGES == *" peer "* ]]; then
   PYTHONUNBUFFERED=1 python3 bench/peers/torch_peer.py --block-sparse "$OUT/peer" --ours "$OUT/peer/fusedattn.jsonl" \
     --out "$OUT/peer/torch.json" 2>&1 |
     tee "$OUT/peer/torch.log" | sed -n '/== summary/,$p'
+fi
+if [[ $STAGES == *" ragged "* ]]; then
+  echo "== ragged prefill (attend_ragged) beside the dense kernel, and PyTorch's varlen flash on the same batches"
+  "$BIN/fusedattn_bench_ragged" --json "$OUT/ragged.jsonl" 2>&1 | tee "$OUT/ragged.log"
+  PYTHONUNBUFFERED=1 python3 bench/peers/torch_peer.py --device cuda --ragged --out "$OUT/torch_ragged.json" 2>&1 |
+    tee -a "$OUT/ragged.log"
 fi
 python3 bench/gpu/table.py "$OUT/fusedattn.jsonl" "$OUT/torch.json" | tee "$OUT/table.txt"

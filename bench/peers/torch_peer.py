@@ -6,6 +6,7 @@ format with the same counters), so bench/compare.py, bench/plot.py and bench/gpu
         [--backends flash,efficient,cudnn,flex] [--flex-budget SECONDS] [--min-time SECONDS] [--repetitions N]
         [--threads N] [--cpu-types f32,f16,bf16] [--backward [--iters N]] [--filter REGEX] [--out FILE]
     python3 bench/peers/torch_peer.py --device cuda --decode [--iters N] [--filter REGEX] [--out FILE]
+    python3 bench/peers/torch_peer.py --device cuda --ragged [--filter REGEX] [--out FILE]
     python3 bench/peers/torch_peer.py (--decode | --backward) --list [--device cpu|cuda|all] [--filter REGEX]
     python3 bench/peers/torch_peer.py --block-sparse DIR [--ours FUSEDATTN.jsonl] [--out FILE]
     python3 bench/peers/torch_peer.py --interleave PATH/fusedattn-tile-sweep [--rounds N] [--shapes "B,H,S,D;..."]
@@ -37,6 +38,17 @@ Modes:
                  `decode/bf16/<contig|paged16|paged64>/...` lines; bytes = the K and V one call reads, GB/s their
                  rate. Each call reads another copy of K/V (the copies spanning at least 1 GiB); the time is the mean
                  of --iters calls (default 20) queued between two events, as bench_decode times.
+  --ragged       CUDA varlen flash attention, torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q,
+                 cu_seqlens_k, max_q, max_k, 0.0, is_causal, False, scale=1/sqrt(d)) on packed (tokens, heads, d)
+                 bf16 tensors, on bench/gpu/bench_ragged.cu's ragged batches (uniform 16 x 1024; mixed and short:
+                 the lengths listed above RAGGED_HEADS below, drawn with the LCG both files share), 32 query heads,
+                 GQA 32/8 at head_dim 128 and MHA 32/32 at head_dim 64, causal (q = kv lengths: top-left and
+                 bottom-right agree) and no mask. Rows `ragged/bf16/<uniform|mixed|short>/<causal|dense>/
+                 torch_flash_varlen/h32_hkv8_d128` beside bench_ragged's `ragged/bf16/<set>/<mask>/h32_hkv8_d128`;
+                 FLOPs 4·d·heads·(allowed pairs) per sequence, as bench_ragged counts; timed as it times (the
+                 median over 7 rounds of ~20 ms of queued calls, two input sets alternating). K/V go in with their
+                 8 heads (the op takes GQA); where a torch refuses that, with their heads repeated (counter gqa =
+                 "repeated", and a note). Without torch, a GPU or the op: a note, nothing timed, exit code 0.
   --list         with --decode or --backward: the rows' names and counts (decode: K/V bytes and copies), nothing run.
   --block-sparse FlexAttention's block-sparse speed-up on the layouts `bench_gpu OUT.jsonl peer DIR` writes
                  (layout_4096.txt, layout_10000.txt: B 1, H 16, D 128, f16, 128 x 512 blocks, sparsity 0.9), beside
@@ -90,8 +102,14 @@ import sys
 import tempfile
 import time
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:  # --ragged says so and exits 0; the other modes exit with the message
+    torch = F = None
+    TORCH_MISSING = "torch is not importable (%s)" % e
+else:
+    TORCH_MISSING = None
 
 LEADERBOARD = [(1, 1, 128, 64), (1, 1, 512, 64), (1, 1, 1024, 64), (1, 1, 2048, 64), (1, 1, 4096, 64),
                (1, 8, 512, 64), (1, 12, 512, 64), (1, 32, 512, 64), (1, 32, 1024, 128), (1, 32, 2048, 128)]
@@ -116,7 +134,7 @@ CUDA_BACKWARD_BH, CUDA_BACKWARD_DIMS, CUDA_BACKWARD_SEQS = (16, 16), (64, 128), 
 DECODE_BATCHES, DECODE_SEQS = (1, 8, 64), (4096, 32768, 131072)
 DECODE_HEADS, DECODE_HEADS_KV, DECODE_D = 32, 8, 128
 DECODE_SPAN = 1 << 30  # bytes the K/V copies span at least: each call reads another copy, so L2 holds none of it
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16} if torch else {}
 # Largest |error| against the float64 reference accepted per storage type (inputs uniform in [-1, 1)).
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
 CHECK_ROWS = 256
@@ -126,6 +144,18 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
 SPARSE_H, SPARSE_D, SPARSE_SPARSITY, SPARSE_SEQS = 16, 128, 0.9, (4096, 10000)
 SHORT_ITEMS = (10, 16, 1024, 128)
 QUEUED_CALLS = 10
+# bench/gpu/bench_ragged.cu's ragged batches (q = kv lengths, packed end to end), drawn with the LCG both files
+# share: state <- state * 1664525 + 1013904223 (mod 2^32), a draw in [lo, hi] = lo + (state >> 8) % (hi - lo + 1).
+#   uniform: 16 x 1024 (16384 tokens)
+#   mixed:   seed 2, lengths in [128, 4096] drawn until the total reaches 16384 (8 sequences, 17623 tokens):
+#            726 1482 2926 354 3487 2252 3817 2579
+#   short:   seed 3, 64 lengths in [64, 512] (17939 tokens):
+#            197 287 466 409 454 119 461 236 322 113 127 397 235 469 501 189 236 461 447 206 83 194 382 137
+#            486 172 449 158 72 74 219 286 101 366 229 113 333 119 311 68 390 92 493 425 80 225 197 397 95 221
+#            487 221 494 424 144 200 237 312 387 275 275 466 376 342
+# Shapes (h_kv, d) with 32 query heads: GQA 32/8 at head_dim 128, MHA 32/32 at head_dim 64; masks causal and none.
+RAGGED_HEADS, RAGGED_SHAPES = 32, ((8, 128), (32, 64))
+RAGGED_ROUNDS, RAGGED_ROUND_MS = 7, 20.0
 PAD_BLOCKS = 8  # inactive blocks past the layout, for indices past the sequence a mask_mod may be asked about
 
 
@@ -678,6 +708,153 @@ def list_rows(args):
                 print("%-60s flop %.4g  density %.4f" % (name, flop, backward_density(device, mask, s)))
 
 
+# --------------------------------------------------------------------------------------------- the ragged mode
+
+def ragged_lengths(seed, lo, hi, count=None, total=None):
+    """Lengths in [lo, hi] from the LCG shared with bench/gpu/bench_ragged.cu: `count` of them, or as many as it takes
+    for their sum to reach `total`."""
+    state, out = seed, []
+    while (count is not None and len(out) < count) or (total is not None and sum(out) < total):
+        state = (state * 1664525 + 1013904223) & 0xFFFFFFFF
+        out.append(lo + (state >> 8) % (hi - lo + 1))
+    return out
+
+
+def ragged_sets():
+    """(name, lengths) of bench_ragged's batches, in its order."""
+    return [("uniform", [1024] * 16), ("mixed", ragged_lengths(2, 128, 4096, total=16384)),
+            ("short", ragged_lengths(3, 64, 512, count=64))]
+
+
+def time_cuda_rounds(fn, sets):
+    """(median seconds of one call, calls): bench_ragged's timing. 3 warm-up calls, one calibration call, then
+    RAGGED_ROUNDS rounds of N calls queued between two events (N such that a round lasts about RAGGED_ROUND_MS),
+    call i on input set i % sets; the median over the rounds of the mean per call."""
+    for i in range(3):
+        fn(i % sets)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    stop.record()
+    stop.synchronize()
+    n = max(3, min(500, math.ceil(RAGGED_ROUND_MS / max(start.elapsed_time(stop), 1e-3))))
+    per_call = []
+    for r in range(RAGGED_ROUNDS):
+        start.record()
+        for i in range(n):
+            fn((r * n + i) % sets)
+        stop.record()
+        stop.synchronize()
+        per_call.append(start.elapsed_time(stop) / n)
+    return statistics.median(per_call) * 1e-3, n * RAGGED_ROUNDS
+
+
+def varlen_flash(op, causal, scale):
+    """attend(q, k, v, cu, max_len): torch.ops.aten._flash_attention_forward on packed (tokens, heads, d) tensors,
+    the same offsets for queries and keys; the output."""
+    def attend(q, k, v, cu, max_len):
+        try:
+            res = op(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale)
+        except TypeError:  # a torch whose op takes no scale: its default is the same 1/sqrt(d)
+            res = op(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)
+        return res[0]
+    return attend
+
+
+def ragged_error(out, q, k, v, lengths, causal):
+    """Largest |out - reference| over the last CHECK_ROWS query rows of the first and the longest sequence, query heads
+    0 and H - 1; the reference is softmax(QK^T/sqrt(d) + causal mask)·V in float64 on the CPU, per sequence."""
+    h, h_kv = q.shape[1], k.shape[1]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    err = 0.0
+    for b in sorted({0, max(range(len(lengths)), key=lambda i: lengths[i])}):
+        t0, n = offsets[b], lengths[b]
+        rows = min(CHECK_ROWS, n)
+        for head in (0, h - 1):
+            kv = head // (h // h_kv)
+            q0 = q[t0 + n - rows:t0 + n, head].to("cpu", torch.float64)
+            k0, v0 = (x[t0:t0 + n, kv].to("cpu", torch.float64) for x in (k, v))
+            s = q0 @ k0.T / math.sqrt(q0.shape[-1])
+            if causal:  # row i of the last `rows` sees keys 0 .. n - rows + i
+                s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(n - rows + 1), float("-inf"))
+            ref = torch.softmax(s, dim=-1) @ v0
+            err = max(err, float((out[t0 + n - rows:t0 + n, head].to("cpu", torch.float64) - ref).abs().max()))
+    return err
+
+
+def run_ragged(args, out):
+    """PyTorch's varlen flash attention (torch.ops.aten._flash_attention_forward with cu_seqlens) on
+    bench/gpu/bench_ragged.cu's ragged batches, shapes and masks, timed as it times them (time_cuda_rounds, two input
+    sets alternating). Each row is checked against float64 first (ragged_error). GQA K/V go to the op as they are;
+    where it refuses them, K/V with their heads repeated (row counter gqa = "repeated", and a note). A missing GPU or
+    op is a note, nothing timed."""
+    if not torch.cuda.is_available():
+        note("--ragged: torch.cuda.is_available() is False: nothing timed")
+        return
+    try:
+        op = torch.ops.aten._flash_attention_forward
+    except (AttributeError, RuntimeError) as e:
+        note("--ragged: torch %s has no aten::_flash_attention_forward (%s): nothing timed" % (torch.__version__, e))
+        return
+    keep = re.compile(args.filter)
+    note("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.inference_mode():
+        for h_kv, d in RAGGED_SHAPES:
+            h = RAGGED_HEADS
+            for set_name, lengths in ragged_sets():
+                tokens = sum(lengths)
+                cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+                max_len = max(lengths)
+                qkv = [(uniform((tokens, h, d), "bf16", "cuda", gen), uniform((tokens, h_kv, d), "bf16", "cuda", gen),
+                        uniform((tokens, h_kv, d), "bf16", "cuda", gen)) for _ in range(2)]
+                for mask in ("causal", "dense"):
+                    causal = mask == "causal"
+                    name = "ragged/bf16/%s/%s/torch_flash_varlen/h%d_hkv%d_d%d" % (set_name, mask, h, h_kv, d)
+                    if not keep.search(name):
+                        continue
+                    attend = varlen_flash(op, causal, 1.0 / math.sqrt(d))
+                    sets, gqa = qkv, "native" if h_kv < h else "none"
+                    try:
+                        o = attend(*sets[0], cu, max_len)
+                    except Exception as e:  # noqa: BLE001 - refuses GQA, this GPU, or the dtype
+                        if h_kv == h:
+                            note("%s skipped: %s" % (name, (str(e).splitlines() or [type(e).__name__])[0]))
+                            continue
+                        note("%s: the op refuses GQA (%s); K/V heads repeated %dx" % (
+                            name, (str(e).splitlines() or [type(e).__name__])[0], h // h_kv))
+                        sets = [(q, k.repeat_interleave(h // h_kv, dim=1), v.repeat_interleave(h // h_kv, dim=1))
+                                for q, k, v in qkv]
+                        gqa = "repeated"
+                        try:
+                            o = attend(*sets[0], cu, max_len)
+                        except Exception as e2:  # noqa: BLE001
+                            note("%s skipped: %s" % (name, (str(e2).splitlines() or [type(e2).__name__])[0]))
+                            continue
+                    shape = (1, h, h_kv, tokens, tokens, d)
+                    pair_count = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+                    flop = 4.0 * d * h * pair_count
+                    err = ragged_error(o, *sets[0], lengths, causal)
+                    del o
+                    if not err <= TOLERANCE["bf16"]:
+                        out.add(error_row(name, shape, "bf16", mask, 1, "max error %.3g against float64 exceeds %.3g"
+                                          % (err, TOLERANCE["bf16"])))
+                        note("%s: max error %.3g against float64" % (name, err))
+                        continue
+                    seconds, calls = time_cuda_rounds(lambda i, s=sets, a=attend: a(*s[i], cu, max_len), len(sets))
+                    row = bench_row(name, shape, "bf16", mask, 1, pair_count / float(tokens * tokens), seconds, calls,
+                                    err, flop=flop, set=set_name, sequences=len(lengths), tokens=tokens, gqa=gqa,
+                                    us=round(seconds * 1e6, 3), tflops=round(flop / seconds * 1e-12, 2))
+                    note("%-64s %12.1f us %s  max_err %.2g" % (name, seconds * 1e6, rate(row), err))
+                    out.add(row)
+                    if gqa == "repeated":
+                        del sets
+                del qkv, cu
+                torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------------------- the block-sparse mode
 
 def read_layout(path):
@@ -946,6 +1123,8 @@ def main():
                          "CUDA bench/gpu/bench_backward.cu's (bf16, flash and cuDNN)")
     ap.add_argument("--decode", action="store_true",
                     help="decode mode (CUDA): SDPA's cuDNN and flash backends on bench/gpu/bench_decode.cu's shapes")
+    ap.add_argument("--ragged", action="store_true",
+                    help="ragged mode (CUDA): varlen flash attention on bench/gpu/bench_ragged.cu's ragged batches")
     ap.add_argument("--iters", type=int, default=None,
                     help="CUDA --decode and --backward rows: timed calls, their mean kept (default 20 for --decode, "
                          "10 for --backward)")
@@ -954,8 +1133,15 @@ def main():
     ap.add_argument("--filter", default="", help="suite mode: only rows whose name this regex matches (re.search)")
     ap.add_argument("--out", default="torch_peer.json", help="output JSON file (default torch_peer.json)")
     args = ap.parse_args()
-    if sum(map(bool, (args.block_sparse, args.interleave, args.decode))) > 1:
-        sys.exit("torch_peer: --block-sparse, --interleave and --decode are separate modes")
+    if sum(map(bool, (args.block_sparse, args.interleave, args.decode, args.ragged))) > 1:
+        sys.exit("torch_peer: --block-sparse, --interleave, --decode and --ragged are separate modes")
+    if TORCH_MISSING:
+        if args.ragged:
+            note("--ragged: %s: nothing timed" % TORCH_MISSING)
+            return
+        sys.exit("torch_peer: " + TORCH_MISSING)
+    if args.ragged and args.device == "cpu":
+        sys.exit("torch_peer: --ragged times CUDA varlen flash attention: use --device cuda")
     if args.decode and args.device == "cpu":
         sys.exit("torch_peer: --decode times CUDA SDPA: use --device cuda")
     if args.iters is not None and args.iters < 1:
@@ -970,7 +1156,8 @@ def main():
         sys.exit("torch_peer: torch %s has no scaled_dot_product_attention (needs torch >= 2.3)" % torch.__version__)
 
     mode = ("--block-sparse" if args.block_sparse else "--interleave" if args.interleave else
-            "--decode" if args.decode else "--suite " + args.suite + (" --backward" if args.backward else ""))
+            "--decode" if args.decode else "--ragged" if args.ragged else
+            "--suite " + args.suite + (" --backward" if args.backward else ""))
     out = Output(args.out, mode)
     if args.block_sparse:
         run_block_sparse(args, out)
@@ -978,6 +1165,8 @@ def main():
         run_interleaved(args, out)
     elif args.decode:
         run_decode(args, out)
+    elif args.ragged:
+        run_ragged(args, out)
     else:
         run_suite(args, out)
     out.write()
