@@ -27,7 +27,7 @@
 // sequence elsewhere. A maxdiff above 0.02 is flagged MISMATCH and makes the exit code 2.
 //   fusedattn_bench_ragged [--json FILE]    FILE: one JSON object per row and line (name, kernel, set, dtype, mask,
 //                                           sequences, tokens, h, h_kv, d, flop, us, best_us, tflops, and on the
-//                                           ragged rows ratio, max_abs_diff, ref_max_abs)
+//                                           ragged rows ratio, max_abs_diff, ref_max_abs; 1e30 for inf or NaN)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -280,7 +280,7 @@ void run_rows(cudaStream_t stream, const buffers& buf, const ragged_set& s, int 
   std::fflush(stdout);
   char extra[160];
   std::snprintf(extra, sizeof extra, ",\"ratio\":%.4f,\"max_abs_diff\":%.4g,\"ref_max_abs\":%.4g", ragged_tf / dense_tf,
-                std::isfinite(diff) ? double(diff) : 1e30, double(ref_max));
+                std::isfinite(diff) ? double(diff) : 1e30, std::isfinite(ref_max) ? double(ref_max) : 1e30);
   json_row(ragged_name, "ragged", s, mask_name, total, h_kv, d, flop, ragged_us, ragged_best, extra);
   json_row(dense_name, "ragged_dense", s, mask_name, long(n) * len, h_kv, d, dense_flop, dense_us, dense_best, "");
   cudaFree(d_cu);
