@@ -93,6 +93,8 @@ struct flash_params_t {
   const int* cu_q = nullptr;
   const int* cu_kv = nullptr;
   int ragged_items = 0;
+  int* ragged_next = nullptr;  ///< the Hopper kernel's item counter (zeroed before the launch; null: items dealt
+                               ///< round robin): items handed out past each block's first
   ragged_shift shift{};
 };
 using flash_params = flash_params_t<band_mask>;

@@ -554,6 +554,9 @@ struct hopper_ws_scheduler {
 /// "full" barrier's phase for them is n / QB (kt / 2) mod 2, and its "empty" partner's the one before.
 /// It forms the shared-memory layout from the dynamic array itself, as the kernel does (the arithmetic then folds
 /// into each access as in one function; handed the kernel's pointers, ptxas schedules the kernel differently).
+/// `Ragged` (ragged.cuh): items come from the counter p.ragged_next, their sequences from a ragged_cursor; each Q
+/// buffer also gets the item's sequence (ws.seq), copies address the sequence's rows and keys in the packed maps,
+/// and after the last item the next Q buffer gets the end (item −1, an arrival without a copy).
 template <class E, class Tile, class Mask, bool Ragged = false>
 __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
                                                   const hopper_ws_scheduler<Mask, Tile::block_m>& sched) {
@@ -574,30 +577,61 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
     for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
   };
   // Item x; for a ragged batch also its sequence (first row, rows, first key, keys: ragged_cursor, every item in
-  // batch 0 of the packed tensors), else seq is (0, seq_q, 0, seq_kv).
+  // batch 0 of the packed tensors; seq is not used otherwise).
   ragged_cursor cursor;
-  auto item_at = [&](int x, int (&seq)[4]) {
+  auto item_at = [&](int x, [[maybe_unused]] int (&seq)[4]) {
     if constexpr (Ragged) {
-      cursor.seek(p.cu_q, p.heads, BM, x);
-      seq[0] = cursor.q0, seq[1] = cursor.nq, seq[2] = p.cu_kv[cursor.b], seq[3] = p.cu_kv[cursor.b + 1] - seq[2];
+      cursor.seek(p.cu_q, p.heads, BM, x, p.cu_kv);  // reads offsets only when the sequence changes
+      seq[0] = cursor.q0, seq[1] = cursor.nq, seq[2] = cursor.k0, seq[3] = cursor.nk;
       return hopper_item{cursor.m_block(x), cursor.head(x), 0, 0};
     } else {
-      seq[0] = 0, seq[1] = p.seq_q, seq[2] = 0, seq[3] = p.seq_kv;
       return sched.at(x);
     }
   };
-  auto item_mask = [&](const hopper_item& it, const int (&seq)[4]) {
+  auto item_mask = [&](const hopper_item& it, [[maybe_unused]] const int (&seq)[4]) -> decltype(auto) {
     if constexpr (Ragged) return sequence_band(p.mask, p.shift, seq[1], seq[3]);
     else return head_mask(p.mask, it.b, it.h);
+  };
+  // The block's n-th item. A ragged batch under a mask with limits (p.ragged_next set) hands items out as blocks
+  // ask (the block's first is blockIdx.x, the next ones come from the counter): its q-blocks differ in cost, and a
+  // fixed round robin leaves some blocks twice the work of others. Item n + 1 is taken from the counter as soon as
+  // n is known to be an item, so that the atomic's round trip overlaps item n's copies. Asked for n, then n again,
+  // then n + 1 ...: the last answer is kept. Unmasked, every item of a sequence costs the same and the scheduler's
+  // round robin (no atomics) is faster.
+  [[maybe_unused]] int asked_n = -1, asked_x = 0, next_x = 0;
+  auto index = [&](int n) {
+    if constexpr (Ragged) {
+      if (n != asked_n) {
+        asked_n = n;
+        if (p.ragged_next == nullptr) {
+          asked_x = sched.index(n);
+        } else {
+          asked_x = n == 0 ? int(blockIdx.x) : next_x;
+          if (asked_x < sched.items) next_x = int(gridDim.x) + atomicAdd(p.ragged_next, 1);
+        }
+      }
+      return asked_x;
+    } else {
+      return sched.index(n);
+    }
   };
   // Item n's Q into buffer n % QB, once the consumers have freed it, with the item and whether it has a key tile
   // (the loop below walks the item again for its tiles: a second at() and first() on this one thread).
   auto load_q = [&](int n) {
-    const int x = sched.index(n);
-    if (x >= sched.items) return;
+    const int x = index(n);
+    if (x >= sched.items) {
+      if constexpr (Ragged) {  // the end, told to the consumers through the item's Q buffer (no copy arrives)
+        const int qb = n % QB;
+        mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
+        ws.item[qb][0] = -1;
+        mbarrier_arrive(&ws.q_full[qb]);
+      }
+      return;
+    }
     int seq[4];
     const hopper_item it = item_at(x, seq);
-    const int q0 = it.m_block * BM, q1 = q0 + BM < seq[1] ? q0 + BM : seq[1];
+    const int rows = Ragged ? seq[1] : p.seq_q;
+    const int q0 = it.m_block * BM, q1 = q0 + BM < rows ? q0 + BM : rows;
     key_tiles<Mask, BN> tiles(item_mask(it, seq), q0, q1);
     const int qb = n % QB;
     mbarrier_wait(&ws.q_empty[qb], ((n / QB) & 1) ^ 1);
@@ -605,15 +639,16 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
     ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
     ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
     if constexpr (Ragged) ws.seq[qb][0] = seq[0], ws.seq[qb][1] = seq[1], ws.seq[qb][2] = seq[2], ws.seq[qb][3] = seq[3];
-    tma_tile(sq + qb * BM * D, p.q_map, p.q_order, seq[0] + q0, it.h, it.b, BM, &ws.q_full[qb]);
+    tma_tile(sq + qb * BM * D, p.q_map, p.q_order, (Ragged ? seq[0] : 0) + q0, it.h, it.b, BM, &ws.q_full[qb]);
   };
   constexpr bool early_q = QB > 1;
   if (early_q) load_q(0);
   int kt = 0;
-  for (int n = 0, x = sched.index(0); x < sched.items; x = sched.index(++n)) {
+  for (int n = 0, x = index(0); x < sched.items; x = index(++n)) {
     int seq[4];
     const hopper_item it = item_at(x, seq);
-    const int q0 = it.m_block * BM, q1 = q0 + BM < seq[1] ? q0 + BM : seq[1];
+    const int rows = Ragged ? seq[1] : p.seq_q, key0 = Ragged ? seq[2] : 0;
+    const int q0 = it.m_block * BM, q1 = q0 + BM < rows ? q0 + BM : rows;
     const Mask mask = item_mask(it, seq);
     key_tiles<Mask, BN> tiles(mask, q0, q1);
     const int k_first = tiles.first(it.split, p.splits);
@@ -628,12 +663,14 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
       ws.seg_begin[stage] = seg_begin;
       ws.seg_end[stage] = seg_end;
       ws.last[stage] = k_next < 0;
-      tma_tile(sk + stage * BN * D, p.k_map, p.k_order, seq[2] + k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
+      tma_tile(sk + stage * BN * D, p.k_map, p.k_order, key0 + k0, it.h / p.group, it.b, BN, &ws.k_full[stage]);
       mbarrier_wait(&ws.v_empty[stage], parity);
-      tma_tile(sv + stage * BN * D, p.v_map, p.v_order, seq[2] + k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
+      tma_tile(sv + stage * BN * D, p.v_map, p.v_order, key0 + k0, it.h / p.group, it.b, BN, &ws.v_full[stage]);
       if (early_q && (i == 1 || (k_next < 0 && i == 0))) load_q(n + 1);
     }
   }
+  // The end, in the buffer of the item the block was refused (with two Q buffers the last item's load_q(n + 1) told it).
+  if constexpr (Ragged && !early_q) load_q(asked_n);
 }
 
 /// Turns on the tensor cores of flash_hopper_ws_kernel's consumer warpgroups (hopper_tile::take_turns; without, both
@@ -738,7 +775,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       stored_qb = -1;
     }
   };
-  for (int n = 0, x = sched.index(0); x < items; x = sched.index(++n)) {
+  // The consumers' items: the scheduler's, or a ragged batch's as the producer is handed them, until it writes the
+  // end (−1) in place of an item.
+  for (int n = 0, x = sched.index(0); Ragged || x < items; x = sched.index(++n)) {
     const int qb = n % QB;
     const std::uint64_t q_desc = desc_plus(q_desc0, qb * BM * D);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -746,6 +785,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.f;
 
     mbarrier_wait(&ws.q_full[qb], (n / QB) & 1);
+    if constexpr (Ragged)
+      if (ws.item[qb][0] < 0) break;
     // The item, as the producer wrote it beside its Q (the scheduler's divisions stay off this path).
     const hopper_item it{ws.item[qb][0], ws.item[qb][1], ws.item[qb][2], ws.item[qb][3]};
     const int q0 = it.m_block * BM;
@@ -844,9 +885,10 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     finish_rows<E, Tile, Mask, Mods, Ragged>(p, acc, m_run, l_run, w, it.b, it.h, it.split, q0, stage, mods, seq_q0,
                                              seq_rows);
     fence_proxy_async();  // the staged rows (generic proxy) precede the TMA store's reads, the Q reads its next write
-    if constexpr (Ragged) {
-      // A TMA store of the box would write the next sequence's rows: the warpgroup's threads copy its staged rows
-      // that belong to the sequence, 16-byte chunks of the problem's columns.
+    // A ragged batch's warpgroup whose 64 rows run past its sequence: a TMA store of the box would write the next
+    // sequence's rows, so its threads copy the staged rows that belong to the sequence (16-byte chunks of the
+    // problem's columns).
+    if (Ragged && q0 + 64 * (wg + 1) > seq_rows) {
       named_barrier(1 + wg, 128);
       const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : D / 8;
       E* o_seq = static_cast<E*>(p.o) + it.h * p.o_stride.h + static_cast<index_t>(seq_q0) * p.o_stride.s;
@@ -861,7 +903,8 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
       named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
       if (ct % 128 == 0) {
         int at[3];
-        for (int i = 0; i < 3; ++i) at[i] = p.o_order[i] == 1 ? q0 + 64 * wg : p.o_order[i] == 2 ? it.h : it.b;
+        for (int i = 0; i < 3; ++i)
+          at[i] = p.o_order[i] == 1 ? seq_q0 + q0 + 64 * wg : p.o_order[i] == 2 ? it.h : it.b;
 #pragma unroll
         for (int c = 0; c < D / 64; ++c)
           tma_store_4d(&p.o_map, stage + c * BM * 64 + wg * 64 * 64, c * 64, at[0], at[1], at[2]);
@@ -1061,7 +1104,8 @@ status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
 
 /// Runs a ragged batch (ragged.cuh; p: the packed views, p.cu_q and p.cu_kv the device offsets, p.mask bound to
 /// lengths (0, 0) and p.shift) in one launch of flash_hopper_ws_kernel<..., Ragged = true> on `Tile` (a
-/// warp-specialised tile; hopper_flash_ready must have said yes), a persistent grid over the ragged work items, then
+/// warp-specialised tile; hopper_flash_ready must have said yes), a persistent grid over the ragged work items
+/// (under a mask with limits taken from a counter as blocks free, else dealt round robin), then
 /// its repair pass (flash_repair_ragged_kernel: a tile's keys past its sequence are the next sequence's, masked, and
 /// an inf or NaN in their V rows would reach O through the tensor-core product as for any masked key).
 /// `host_cu_q`: the query offsets as the host reads them. errc::unsupported when the driver refuses a tensor map
@@ -1075,7 +1119,8 @@ status launch_flash_hopper_ragged(flash_params_t<band_mask> p, const std::int32_
   const index_t heads_kv = p.heads / p.group;
   if (!make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, 1, p.k_stride, Tile::block_n) ||
       !make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, 1, p.v_stride, Tile::block_n) ||
-      !make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, 1, p.q_stride, Tile::block_m))
+      !make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, 1, p.q_stride, Tile::block_m) ||
+      !make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, 1, p.o_stride, 64))
     return {errc::unsupported, "the driver refused a tensor map of the ragged batch"};
   const index_t items = ragged_items(host_cu_q, sequences, p.heads, Tile::block_m);
   if (items == 0) return {};
@@ -1085,17 +1130,24 @@ status launch_flash_hopper_ragged(flash_params_t<band_mask> p, const std::int32_
   p.o_part = p.lse_part = nullptr;
   p.q_block_major = 0;
   p.ragged_items = int(items);
-  struct flag_owner {  // frees the repair flag in stream order, after both kernels
+  struct flag_owner {  // frees the repair flag and the item counter in stream order, after both kernels
     void* ptr = nullptr;
     cudaStream_t stream;
     ~flag_owner() {
       if (ptr != nullptr) cudaFreeAsync(ptr, stream);
     }
   } flag{nullptr, stream};
-  if (status st = scratch_allocate(flag.ptr, sizeof(int), stream, "cudaMallocFromPoolAsync(repair pass flag)"); !st)
+  if (status st = scratch_allocate(flag.ptr, 2 * sizeof(int), stream,
+                                   "cudaMallocFromPoolAsync(repair pass flag, item counter)");
+      !st)
     return st;
   p.nonfinite = static_cast<int*>(flag.ptr);
-  if (status st = from_cuda(cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream), "cudaMemsetAsync(repair flag)"); !st)
+  // Items from a counter under a mask with limits (causal, window: q-blocks of different costs), else round robin.
+  const bool limits = p.mask.lo != -band_mask::unbounded || p.mask.hi != band_mask::unbounded;
+  p.ragged_next = limits ? p.nonfinite + 1 : nullptr;
+  if (status st = from_cuda(cudaMemsetAsync(p.nonfinite, 0, 2 * sizeof(int), stream),
+                            "cudaMemsetAsync(repair flag, item counter)");
+      !st)
     return st;
   const auto kernel = flash_hopper_ws_kernel<E, Tile, band_mask, Mods, true>;
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

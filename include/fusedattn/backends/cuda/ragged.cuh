@@ -52,14 +52,17 @@ __host__ __device__ __forceinline__ band_mask sequence_band(const band_mask& m, 
 struct ragged_cursor {
   int b = -1, start = 0, q_blocks = 0;
   int q0 = 0, nq = 0;  ///< sequence b's first query row and row count
-  __device__ __forceinline__ void seek(const int* cu_q, int heads, int block_m, int x) {
-    while (x >= start + heads * q_blocks) {
+  int k0 = 0, nk = 0;  ///< its first key and key count (when seek is given cu_kv)
+  __device__ __forceinline__ void seek(const int* cu_q, int heads, int block_m, int x, const int* cu_kv = nullptr) {
+    if (x < start + heads * q_blocks) return;
+    do {
       start += heads * q_blocks;
       ++b;
       q0 = cu_q[b];
       nq = cu_q[b + 1] - q0;
       q_blocks = (nq + block_m - 1) / block_m;
-    }
+    } while (x >= start + heads * q_blocks);
+    if (cu_kv != nullptr) k0 = cu_kv[b], nk = cu_kv[b + 1] - k0;
   }
   /// Item x's head and q-block (seek(x) first).
   __device__ __forceinline__ int head(int x) const { return (x - start) / q_blocks; }

@@ -126,7 +126,13 @@ status attend_ragged_hopper(const problem& p, index_t sequences, const std::int3
     const auto run = [&](auto tile, auto with_mods) {
       return launch_flash_hopper_ragged<E, decltype(tile), decltype(with_mods)::value>(fp, cu_q, sequences, stream);
     };
-    if (d == 64) return run(typename hopper_whole_row_tile<64>::type{}, std::false_type{});
+    if (d == 64) {  // the tiles plain attend takes for the same token count (hopper_takes_turns_tile)
+      int multiprocessors = 0;
+      if (status st = device_multiprocessors(multiprocessors); !st) return st;
+      if (hopper_takes_turns_tile(m0, 1, p.heads, p.seq_q, multiprocessors))
+        return run(typename hopper_turns_tile<64>::type{}, std::false_type{});
+      return run(typename hopper_whole_row_tile<64>::type{}, std::false_type{});
+    }
     const auto by_width = [&](auto with_mods) {
       if (d <= 128) return run(typename hopper_default_tile<128>::type{}, with_mods);
       if (d <= 192) return run(typename hopper_default_tile<192>::type{}, with_mods);
