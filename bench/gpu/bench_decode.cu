@@ -18,21 +18,13 @@
 
 #include <fusedattn/fusedattn.hpp>
 
+#include "fill.cuh"
+
 namespace fa = fusedattn;
 using T = Eigen::bfloat16;
 using E = __nv_bfloat16;
 
 namespace {
-
-__global__ void fill_kernel(E* x, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    x[i] = __float2bfloat16(float(h & 0xffff) / 32768.f - 1.f);
-  }
-}
 
 /// The read roof: a grid-stride loop of 16-byte streaming loads (ld.global.cs) over `n` chunks, XOR-reduced so that
 /// nothing is optimised away; `sink` is written only for an impossible sum.

@@ -40,6 +40,8 @@
 
 #include <fusedattn/fusedattn.hpp>
 
+#include "fill.cuh"
+
 namespace fa = fusedattn;
 using T = Eigen::bfloat16;
 using E = __nv_bfloat16;
@@ -48,16 +50,6 @@ namespace {
 
 constexpr int kHeads = 32;
 constexpr double kMismatch = 0.02;
-
-__global__ void fill_kernel(E* x, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    x[i] = __float2bfloat16(float(h & 0xffff) / 32768.f - 1.f);
-  }
-}
 
 /// out[0] = max |a − b| (NaN as inf), out[1] = max |b| over n values, as float bits (non-negative floats order as
 /// their unsigned bits); out must hold zeros on entry.
