@@ -2,7 +2,8 @@
 /// Serving entry points: `attend_paged` (queries against a paged KV cache addressed by a block table, vLLM /
 /// FlashInfer style) and `attend_ragged` (sequences of different lengths packed end to end, located by cumulative
 /// offsets). Both validate everything first and run on policy::cpu<Arch> and policy::cuda (decode shapes on
-/// cuda.decode; ragged prefill one sequence at a time); other policies return unsupported. On the CPU flash
+/// cuda.decode; ragged prefill in one Hopper launch, elsewhere one sequence at a time); other policies return
+/// unsupported. On the CPU flash
 /// policies both also take f32 Q and O with K and V in f16 or bf16 (a 16-bit KV cache), widened exactly as read.
 #pragma once
 

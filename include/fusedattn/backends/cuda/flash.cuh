@@ -879,45 +879,42 @@ status launch_flash(flash_params_t<Mask> p, cudaStream_t stream) {
                                       stream);
 }
 
-/// Launches flash_repair_kernel for `p` (the flash call's parameters, p.nonfinite its flag; the mma.sync tile `Tile`
-/// of its head_dim): one block per multiprocessor (at most one per q-block), no key splits.
-template <class E, class Tile, class Mask, bool Mods = false>
-status launch_flash_repair(flash_params_t<Mask> p, cudaStream_t stream) {
+/// Launches a repair kernel (flash_repair_kernel, flash_repair_ragged_kernel; `name` for errors) of the mma.sync tile
+/// `Tile` over `items` work items: one block per multiprocessor (at most one per item), no key splits.
+template <class E, class Tile, class Mask>
+status launch_repair(void (*kernel)(flash_params_t<Mask>), const char* name, flash_params_t<Mask> p, index_t items,
+                     cudaStream_t stream) {
   constexpr int smem = Tile::smem_elems * int(sizeof(E));
-  const auto kernel = flash_repair_kernel<E, Tile, Mask, Mods>;
   if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                            "cudaFuncSetAttribute(flash_repair_kernel)");
+                            (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
       !st)
     return st;
   int multiprocessors = 0;
   if (status st = device_multiprocessors(multiprocessors); !st) return st;
+  if (items == 0) return {};
   p.splits = 1;
   p.o_part = p.lse_part = nullptr;
-  const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
   kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
-  return last_launch("flash_repair_kernel");
+  return last_launch(name);
 }
 
-/// Launches flash_repair_ragged_kernel for a ragged call's `p` (p.nonfinite its flag; `host_cu_q` the query offsets
-/// as the host reads them): one block per multiprocessor (at most one per work item).
+/// Launches flash_repair_kernel for `p` (the flash call's parameters, p.nonfinite its flag; the mma.sync tile `Tile`
+/// of its head_dim) over its q-blocks.
+template <class E, class Tile, class Mask, bool Mods = false>
+status launch_flash_repair(const flash_params_t<Mask>& p, cudaStream_t stream) {
+  const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
+  return launch_repair<E, Tile, Mask>(flash_repair_kernel<E, Tile, Mask, Mods>, "flash_repair_kernel", p, items, stream);
+}
+
+/// Launches flash_repair_ragged_kernel for a ragged call's `p` (p.nonfinite its flag) over its ragged work items
+/// (`host_cu_q`: the query offsets as the host reads them).
 template <class E, class Tile, bool Mods = false>
 status launch_flash_repair_ragged(flash_params_t<band_mask> p, const std::int32_t* host_cu_q, index_t sequences,
                                   cudaStream_t stream) {
-  constexpr int smem = Tile::smem_elems * int(sizeof(E));
-  const auto kernel = flash_repair_ragged_kernel<E, Tile, Mods>;
-  if (status st = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                            "cudaFuncSetAttribute(flash_repair_ragged_kernel)");
-      !st)
-    return st;
-  int multiprocessors = 0;
-  if (status st = device_multiprocessors(multiprocessors); !st) return st;
-  p.splits = 1;
-  p.o_part = p.lse_part = nullptr;
   const index_t items = ragged_items(host_cu_q, sequences, p.heads, Tile::block_m);
-  if (items == 0) return {};
   p.ragged_items = int(items);
-  kernel<<<unsigned(std::min<index_t>(items, multiprocessors)), Tile::threads, smem, stream>>>(p);
-  return last_launch("flash_repair_ragged_kernel");
+  return launch_repair<E, Tile, band_mask>(flash_repair_ragged_kernel<E, Tile, Mods>, "flash_repair_ragged_kernel", p,
+                                           items, stream);
 }
 
 /// Grid limits of a flash launch: errc::unsupported naming the extent that does not fit.
