@@ -306,22 +306,33 @@ def time_cuda(fn, sets):
     return statistics.median(times) * 1e-3, len(times)
 
 
-def time_cuda_queued(fn, sets, calls=QUEUED_CALLS):
-    """Median seconds of one call with `calls` calls queued between two events (the host's work overlaps the
-    previous call's kernels): 3 warm-up rounds, 30 rounds."""
-    for i in range(3 * calls):
+def time_cuda_queued(fn, sets, rounds, warmup, calls=None, round_ms=None):
+    """(median seconds of one call, calls in the rounds): `warmup` calls (call i on input set i % sets), then `rounds`
+    rounds of `calls` calls queued between two CUDA events (the host's work overlaps the previous call's kernels), call
+    i of round r on input set (r·calls + i) % sets; the median over the rounds of the mean per call. With `calls`, the
+    device is synchronized after the warm-up; without it, one calibration call fn(0) timed between the two events
+    follows the warm-up and sets it: as many calls as make a round last about `round_ms` ms, 3 to 500 (bench_ragged's
+    timing)."""
+    for i in range(warmup):
         fn(i % sets)
-    torch.cuda.synchronize()
+    if calls is not None:
+        torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(30):
+    if calls is None:
+        start.record()
+        fn(0)
+        stop.record()
+        stop.synchronize()
+        calls = max(3, min(500, math.ceil(round_ms / max(start.elapsed_time(stop), 1e-3))))
+    per_call = []
+    for r in range(rounds):
         start.record()
         for i in range(calls):
             fn((r * calls + i) % sets)
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return statistics.median(times) * 1e-3
+        per_call.append(start.elapsed_time(stop) / calls)
+    return statistics.median(per_call) * 1e-3, calls * rounds
 
 
 def time_cuda_mean(fn, sets, iters, warmup):
@@ -384,7 +395,8 @@ def checked_row(name, attend, qkv_sets, shape, dtype, mask, threads, density, de
     if device == "cuda":
         seconds, iterations = (timer or time_cuda)(lambda i: attend(*qkv_sets[i]), sets)
         if queued:
-            extra["queued_real_time"] = time_cuda_queued(lambda i: attend(*qkv_sets[i]), sets) * 1e6
+            extra["queued_real_time"] = time_cuda_queued(lambda i: attend(*qkv_sets[i]), sets, rounds=30,
+                                                           warmup=3 * QUEUED_CALLS, calls=QUEUED_CALLS)[0] * 1e6
     else:
         seconds, iterations = time_cpu(lambda: attend(q, k, v), args.min_time, args.repetitions)
     row = bench_row(name, shape, dtype, mask, threads, density, seconds, iterations, err, **extra)
@@ -726,29 +738,6 @@ def ragged_sets():
             ("short", ragged_lengths(3, 64, 512, count=64))]
 
 
-def time_cuda_rounds(fn, sets):
-    """(median seconds of one call, calls): bench_ragged's timing. 3 warm-up calls, one calibration call, then
-    RAGGED_ROUNDS rounds of N calls queued between two events (N such that a round lasts about RAGGED_ROUND_MS),
-    call i on input set i % sets; the median over the rounds of the mean per call."""
-    for i in range(3):
-        fn(i % sets)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(0)
-    stop.record()
-    stop.synchronize()
-    n = max(3, min(500, math.ceil(RAGGED_ROUND_MS / max(start.elapsed_time(stop), 1e-3))))
-    per_call = []
-    for r in range(RAGGED_ROUNDS):
-        start.record()
-        for i in range(n):
-            fn((r * n + i) % sets)
-        stop.record()
-        stop.synchronize()
-        per_call.append(start.elapsed_time(stop) / n)
-    return statistics.median(per_call) * 1e-3, n * RAGGED_ROUNDS
-
-
 def varlen_flash(op, causal, scale):
     """attend(q, k, v, cu, max_len): torch.ops.aten._flash_attention_forward on packed (tokens, heads, d) tensors,
     the same offsets for queries and keys; the output."""
@@ -786,10 +775,10 @@ def ragged_error(out, q, k, v, lengths, causal):
 
 def run_ragged(args, out):
     """PyTorch's varlen flash attention (torch.ops.aten._flash_attention_forward with cu_seqlens) on
-    bench/gpu/bench_ragged.cu's ragged batches, shapes and masks, timed as it times them (time_cuda_rounds, two input
-    sets alternating). Each row is checked against float64 first (ragged_error). GQA K/V go to the op as they are;
-    where it refuses them, K/V with their heads repeated (row counter gqa = "repeated", and a note). A missing GPU or
-    op is a note, nothing timed."""
+    bench/gpu/bench_ragged.cu's ragged batches, shapes and masks, timed as it times them (time_cuda_queued: 3 warm-up
+    calls, a calibration call, RAGGED_ROUNDS rounds of about RAGGED_ROUND_MS ms; two input sets alternating). Each row
+    is checked against float64 first (ragged_error). GQA K/V go to the op as they are; where it refuses them, K/V with
+    their heads repeated (row counter gqa = "repeated", and a note). A missing GPU or op is a note, nothing timed."""
     if not torch.cuda.is_available():
         note("--ragged: torch.cuda.is_available() is False: nothing timed")
         return
@@ -843,7 +832,8 @@ def run_ragged(args, out):
                                           % (err, TOLERANCE["bf16"])))
                         note("%s: max error %.3g against float64" % (name, err))
                         continue
-                    seconds, calls = time_cuda_rounds(lambda i, s=sets, a=attend: a(*s[i], cu, max_len), len(sets))
+                    seconds, calls = time_cuda_queued(lambda i, s=sets, a=attend: a(*s[i], cu, max_len), len(sets),
+                                                      rounds=RAGGED_ROUNDS, warmup=3, round_ms=RAGGED_ROUND_MS)
                     row = bench_row(name, shape, "bf16", mask, 1, pair_count / float(tokens * tokens), seconds, calls,
                                     err, flop=flop, set=set_name, sequences=len(lengths), tokens=tokens, gqa=gqa,
                                     us=round(seconds * 1e6, 3), tflops=round(flop / seconds * 1e-12, 2))
