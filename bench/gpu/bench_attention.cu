@@ -434,15 +434,28 @@ void block_sparse_suite(int h, int s, double sparsity) {
     const fa::block_sparse_mask m = fa::cuda::bind(fa::cuda::device_block_sparse{device_layout}, x.p).mask;
     const fa::strides4 st = x.out().stride;
     const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
+    // Input set i's parameters, by name; the rest as flash_params_t initialises them (head_dim 0: the tile's 128).
+    const auto params = [&](int i) {
+      cb::flash_params_t<fa::block_sparse_mask> fp{};
+      fp.q = x.q[i];
+      fp.k = x.k[i];
+      fp.v = x.v[i];
+      fp.o = x.o;
+      fp.lse = x.lse;
+      fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
+      fp.batch = 1;
+      fp.heads = h;
+      fp.group = 1;
+      fp.seq_q = fp.seq_kv = s;
+      fp.scale_log2 = scale_log2;
+      fp.mask = m;
+      fp.splits = 1;
+      return fp;
+    };
     const auto sparse_tile = [&](auto tile, const char* label) {
       using Tile = decltype(tile);
-      const double ms = median_ms(
-          [&](int i) {
-            const cb::flash_params_t<fa::block_sparse_mask> fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, 1, h, 1,
-                                                              s, s, scale_log2, m, 1, nullptr, nullptr};
-            check(cb::launch_flash_hopper<__half, Tile>(fp, nullptr));
-          },
-          x.sets);
+      const double ms = median_ms([&](int i) { check(cb::launch_flash_hopper<__half, Tile>(params(i), nullptr)); },
+                                  x.sets);
       std::printf("      sparse, device layout, hopper tile %s: %.3f ms (%.2fx)\n", label, ms, dense_ms / ms);
       std::fprintf(json, "{\"kernel\":\"block-sparse tile %s\",\"s\":%d,\"sparse_ms\":%.5f,\"speedup\":%.2f}\n", label, s,
                    ms, dense_ms / ms);
