@@ -315,18 +315,16 @@ __device__ __forceinline__ void finish_rows(const flash_params_t<Mask>& p, float
   }
 }
 
-/// Copies rows [r0, r1) of the staged O tile (panel layout) to O's rows q0 + r, as 16-byte chunks, by `threads`
-/// threads of which this is `tid`.
-template <class E, class Tile, class Mask>
-__device__ __forceinline__ void store_rows(const flash_params_t<Mask>& p, const E* stage, int b, int h, int q0, int r0,
-                                           int r1, int tid, int threads) {
-  constexpr int CH = Tile::chunks;
-  E* o_head = static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
-  for (int c = tid; c < (r1 - r0) * CH; c += threads) {
-    const int r = r0 + c / CH, ch = c % CH;
-    if (q0 + r < p.seq_q)
-      *reinterpret_cast<uint4*>(o_head + (q0 + r) * p.o_stride.s + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage + atom_offset<Tile::block_m>(r, ch));
+/// Copies rows [r0, r1) of the staged O tile (panel layout, `BM` rows) to rows q0 + r of `o` (row stride `stride`),
+/// those below `row_end` only, `chunks` 16-byte chunks a row, by `threads` threads of which this is `tid`.
+template <int BM, class E>
+__device__ __forceinline__ void store_rows(E* o, index_t stride, const E* stage, int q0, int r0, int r1, int row_end,
+                                           int chunks, int tid, int threads) {
+  for (int c = tid; c < (r1 - r0) * chunks; c += threads) {
+    const int r = r0 + c / chunks, ch = c % chunks;
+    if (q0 + r < row_end)
+      *reinterpret_cast<uint4*>(o + (q0 + r) * stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + atom_offset<BM>(r, ch));
   }
 }
 
@@ -470,7 +468,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   finish_rows<E, Tile, Mask, Mods>(p, acc, m_run, l_run, w, b, h, split, q0, sq, mods);
   if (p.splits > 1) return;
   __syncthreads();
-  store_rows<E, Tile>(p, sq, b, h, q0, 0, BM, threadIdx.x, Tile::threads);
+  store_rows<BM>(static_cast<E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h, p.o_stride.s, sq, q0, 0, BM, p.seq_q,
+                 Tile::chunks, threadIdx.x, Tile::threads);
 #else
   (void)p;
 #endif
@@ -483,7 +482,9 @@ struct hopper_ws_shared {
   int k0[2], seg_begin[2], seg_end[2], last[2];  ///< per K buffer
   int has_tiles[2];                               ///< per Q buffer: the item has at least one key tile
   int item[2][4];                                 ///< per Q buffer: the item's q-block, head, batch, split
-  int seq[2][4];  ///< per Q buffer, ragged calls: the sequence's first row, its rows, its first key, its keys
+  ragged_cursor cursor;                           ///< ragged calls, the producer's: its items' sequence
+  int claim[3];   ///< ragged calls, the producer's: the item it was last asked for, that item, the next one
+  int seq[2][3];  ///< per Q buffer, ragged calls: the sequence's first row, its rows and its keys
 };
 static_assert(sizeof(hopper_ws_shared) <= 256, "hopper_tile::ws_smem_bytes leaves 256 bytes for the bookkeeping");
 
@@ -577,8 +578,11 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
     for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * rows * 64, &map, c * 64, at[0], at[1], at[2], bar);
   };
   // Item x; for a ragged batch also its sequence (first row, rows, first key, keys: ragged_cursor, every item in
-  // batch 0 of the packed tensors; seq is not used otherwise).
-  ragged_cursor cursor;
+  // batch 0 of the packed tensors; seq is not used otherwise). The cursor and the counter's state below live in
+  // shared memory (only this thread reads them): kept in registers, they do not fit the producer's 24 after
+  // setmaxnreg, and ptxas spills (308 bytes at head_dim 128).
+  [[maybe_unused]] ragged_cursor& cursor = ws.cursor;
+  if constexpr (Ragged) cursor = ragged_cursor{};
   auto item_at = [&](int x, [[maybe_unused]] int (&seq)[4]) {
     if constexpr (Ragged) {
       cursor.seek(p.cu_q, p.heads, BM, x, p.cu_kv);  // reads offsets only when the sequence changes
@@ -598,7 +602,10 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
   // n is known to be an item, so that the atomic's round trip overlaps item n's copies. Asked for n, then n again,
   // then n + 1 ...: the last answer is kept. Unmasked, every item of a sequence costs the same and the scheduler's
   // round robin (no atomics) is faster.
-  [[maybe_unused]] int asked_n = -1, asked_x = 0, next_x = 0;
+  [[maybe_unused]] int& asked_n = ws.claim[0];
+  [[maybe_unused]] int& asked_x = ws.claim[1];
+  [[maybe_unused]] int& next_x = ws.claim[2];
+  if constexpr (Ragged) asked_n = -1;
   auto index = [&](int n) {
     if constexpr (Ragged) {
       if (n != asked_n) {
@@ -638,7 +645,7 @@ __device__ __forceinline__ void hopper_ws_produce(const flash_params_t<Mask>& p,
     // Published by the arrival below (release): the consumers read the item from here.
     ws.has_tiles[qb] = tiles.first(it.split, p.splits) >= 0;
     ws.item[qb][0] = it.m_block, ws.item[qb][1] = it.h, ws.item[qb][2] = it.b, ws.item[qb][3] = it.split;
-    if constexpr (Ragged) ws.seq[qb][0] = seq[0], ws.seq[qb][1] = seq[1], ws.seq[qb][2] = seq[2], ws.seq[qb][3] = seq[3];
+    if constexpr (Ragged) ws.seq[qb][0] = seq[0], ws.seq[qb][1] = seq[1], ws.seq[qb][2] = seq[3];
     tma_tile(sq + qb * BM * D, p.q_map, p.q_order, (Ragged ? seq[0] : 0) + q0, it.h, it.b, BM, &ws.q_full[qb]);
   };
   constexpr bool early_q = QB > 1;
@@ -796,7 +803,7 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     [[maybe_unused]] band_mask seq_mask;
     if constexpr (Ragged) {
       seq_q0 = ws.seq[qb][0], seq_rows = ws.seq[qb][1];
-      seq_mask = sequence_band(p.mask, p.shift, seq_rows, ws.seq[qb][3]);
+      seq_mask = sequence_band(p.mask, p.shift, seq_rows, ws.seq[qb][2]);
     }
     const int row_end = Ragged ? seq_rows : p.seq_q;
     const softmax_rows w{row0, row0 + 16 < row_end ? row0 + 16 : row_end, lane / 4, lane % 4, p.scale_log2};
@@ -890,14 +897,9 @@ __global__ void __launch_bounds__(Tile::threads + 128, 1)
     // problem's columns).
     if (Ragged && q0 + 64 * (wg + 1) > seq_rows) {
       named_barrier(1 + wg, 128);
-      const int cols_ch = p.head_dim > 0 ? p.head_dim / 8 : D / 8;
-      E* o_seq = static_cast<E*>(p.o) + it.h * p.o_stride.h + static_cast<index_t>(seq_q0) * p.o_stride.s;
-      for (int c = ct % 128; c < 64 * cols_ch; c += 128) {
-        const int r = 64 * wg + c / cols_ch, ch = c % cols_ch;
-        if (q0 + r < seq_rows)
-          *reinterpret_cast<uint4*>(o_seq + static_cast<index_t>(q0 + r) * p.o_stride.s + ch * 8) =
-              *reinterpret_cast<const uint4*>(stage + atom_offset<BM>(r, ch));
-      }
+      store_rows<BM>(static_cast<E*>(p.o) + it.h * p.o_stride.h + static_cast<index_t>(seq_q0) * p.o_stride.s,
+                     p.o_stride.s, stage, q0, 64 * wg, 64 * wg + 64, seq_rows, p.head_dim > 0 ? p.head_dim / 8 : D / 8,
+                     ct % 128, 128);
       fence_proxy_async();  // these reads (generic proxy) precede the next Q's TMA write into the buffer
     } else if (p.splits == 1) {
       named_barrier(1 + wg, 128);  // this warpgroup's rows are staged
