@@ -141,9 +141,23 @@ int main(int argc, char** argv) {
         using Tile = decltype(tile);
         if (s.d > Tile::head_dim) return;
         const auto run = [&](int i) {
-          cb::flash_params fp{q[i], k[i], v[i], o, nullptr, qs, ks, ks, qs, s.b, s.h, s.h / s.hkv, s.sq, s.skv,
-                              scale_log2, m, 1, nullptr, nullptr};
+          // Input set i's parameters, by name; the rest as flash_params_t initialises them (no lse).
+          cb::flash_params fp{};
+          fp.q = q[i];
+          fp.k = k[i];
+          fp.v = v[i];
+          fp.o = o;
+          fp.q_stride = fp.o_stride = qs;
+          fp.k_stride = fp.v_stride = ks;
+          fp.batch = s.b;
+          fp.heads = s.h;
+          fp.group = s.h / s.hkv;
+          fp.seq_q = s.sq;
+          fp.seq_kv = s.skv;
           fp.head_dim = s.d;
+          fp.scale_log2 = scale_log2;
+          fp.mask = m;
+          fp.splits = 1;
           if (!cb::launch_flash_hopper<__half, Tile>(fp, nullptr)) std::printf("  %s: refused\n", label);
         };
         const double t = median_ms(run);

@@ -210,7 +210,21 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
   const fa::strides4 st = x.out().stride;
   const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
   const auto run = [&](int i) {
-    const cb::flash_params fp{x.q[i], x.k[i], x.v[i], x.o, x.lse, st, st, st, st, c.b, c.h, 1, c.s, c.s, scale_log2, m, 1, nullptr, nullptr};
+    // Input set i's parameters, by name; the rest as flash_params_t initialises them (head_dim 0: the tile's).
+    cb::flash_params fp{};
+    fp.q = x.q[i];
+    fp.k = x.k[i];
+    fp.v = x.v[i];
+    fp.o = x.o;
+    fp.lse = x.lse;
+    fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
+    fp.batch = c.b;
+    fp.heads = c.h;
+    fp.group = 1;
+    fp.seq_q = fp.seq_kv = c.s;
+    fp.scale_log2 = scale_log2;
+    fp.mask = m;
+    fp.splits = 1;
     const fa::status st = [&] {
       if constexpr (Hopper)
         return cb::launch_flash_hopper<E, Tile>(fp, nullptr);
