@@ -1065,6 +1065,20 @@ inline bool hopper_takes_turns_tile(const band_mask& m, index_t batch, index_t h
 }
 inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, index_t, int) { return false; }
 
+/// Makes the tensor maps of a Hopper flash call (make_tile_map) for `Tile`'s boxes: K and V, and with `q_and_o` (the
+/// warp-specialised kernel) Q and O; p.head_dim columns (0: the tile's). False when the driver refuses one.
+template <class E, class Tile, class Mask>
+bool make_flash_maps(flash_params_t<Mask>& p, bool q_and_o) {
+  constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
+  const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
+  const index_t heads_kv = p.heads / p.group;
+  return make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, p.batch, p.k_stride, Tile::block_n) &&
+         make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, p.batch, p.v_stride, Tile::block_n) &&
+         (!q_and_o ||
+          (make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, p.batch, p.q_stride, Tile::block_m) &&
+           make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, p.batch, p.o_stride, 64)));
+}
+
 /// Launches the Hopper kernel of `Tile` (hopper_flash_ready must have said yes): flash_hopper_ws_kernel for a tile
 /// of one block per SM, else flash_hopper_kernel; split-KV and merge as launch_flash. The kernels read K and V (the
 /// warp-specialised one Q too) through tensor maps made here; should the driver refuse one (flash_applies already
@@ -1076,28 +1090,20 @@ inline bool hopper_takes_turns_tile(const block_sparse_mask&, index_t, index_t, 
 /// calls with score modifiers.
 template <class E, class Tile, class Mask, bool Mods = false>
 status launch_flash_hopper(flash_params_t<Mask> p, cudaStream_t stream) {
-  constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
   const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
-  const index_t heads_kv = p.heads / p.group;
-  const bool tma = make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, p.batch, p.k_stride,
-                                 Tile::block_n) &&
-                   make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, p.batch, p.v_stride,
-                                 Tile::block_n);
   if constexpr (Tile::warp_specialized) {
     int multiprocessors = 0;
     if (status st = device_multiprocessors(multiprocessors); !st) return st;
     const index_t items = (p.seq_q + Tile::block_m - 1) / Tile::block_m * index_t(p.heads) * p.batch;
     const hopper_schedule schedule = hopper_schedule_for(p.mask, items, multiprocessors);
     p.q_block_major = schedule.q_block_major;
-    if (tma && make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, p.batch, p.q_stride,
-                             Tile::block_m) &&
-        make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, p.batch, p.o_stride, 64))
+    if (make_flash_maps<E, Tile>(p, true))
       return launch_flash_kernel<E, Tile>(flash_hopper_ws_kernel<E, Tile, Mask, Mods>, Tile::ws_smem_bytes, p, stream,
                                           Tile::threads + 128,
                                           schedule.persistent && !p.per_item ? 1 : one_block_per_item);
   } else {
     // Q by cp.async reads whole rows of the tile's head_dim: no narrower head_dim here.
-    if (tma && cols == Tile::head_dim)
+    if (cols == Tile::head_dim && make_flash_maps<E, Tile>(p, false))
       return launch_flash_kernel<E, Tile>(flash_hopper_kernel<E, Tile, Mask, Mods>, Tile::smem_bytes, p, stream);
   }
   return with_default_tile(cols, status{errc::unsupported, "problem.head_dim: CUDA flash has no tile for it"},
@@ -1116,13 +1122,9 @@ template <class E, class Tile, bool Mods = false>
 status launch_flash_hopper_ragged(flash_params_t<band_mask> p, const std::int32_t* host_cu_q, index_t sequences,
                                   cudaStream_t stream) {
   static_assert(Tile::warp_specialized, "a ragged batch runs the warp-specialised kernel");
-  constexpr bool bf16 = std::is_same_v<E, __nv_bfloat16>;
   const int cols = p.head_dim > 0 ? p.head_dim : Tile::head_dim;
-  const index_t heads_kv = p.heads / p.group;
-  if (!make_tile_map(p.k_map, p.k_order, p.k, bf16, cols, p.seq_kv, heads_kv, 1, p.k_stride, Tile::block_n) ||
-      !make_tile_map(p.v_map, p.v_order, p.v, bf16, cols, p.seq_kv, heads_kv, 1, p.v_stride, Tile::block_n) ||
-      !make_tile_map(p.q_map, p.q_order, p.q, bf16, cols, p.seq_q, p.heads, 1, p.q_stride, Tile::block_m) ||
-      !make_tile_map(p.o_map, p.o_order, p.o, bf16, cols, p.seq_q, p.heads, 1, p.o_stride, 64))
+  p.batch = 1;  // the packed tensors
+  if (!make_flash_maps<E, Tile>(p, true))
     return {errc::unsupported, "the driver refused a tensor map of the ragged batch"};
   const index_t items = ragged_items(host_cu_q, sequences, p.heads, Tile::block_m);
   if (items == 0) return {};
