@@ -32,12 +32,18 @@ Modes:
                  the mean of --iters calls between two events), with its JSON keys too (impl sdpa_flash /
                  sdpa_cudnn, batch, heads, seq, head_dim, causal, ms, tflops). --filter _bwd/ keeps only the
                  backward rows.
-  --decode       CUDA SDPA (cuDNN and flash backends, enable_gqa) on bench/gpu/bench_decode.cu's GQA decode shapes:
-                 bf16, 32 query / 8 kv heads, head_dim 128, one query row, batch 1, 8, 64 x S_kv 4096, 32768, 131072.
-                 Rows `decode/bf16/torch_<cudnn|flash>/b{B}_h32_hkv8_skv{S}_d128`, named as bench_decode's
-                 `decode/bf16/<contig|paged16|paged64>/...` lines; bytes = the K and V one call reads, GB/s their
-                 rate. Each call reads another copy of K/V (the copies spanning at least 1 GiB); the time is the mean
-                 of --iters calls (default 20) queued between two events, as bench_decode times.
+  --decode       CUDA SDPA (cuDNN and flash backends, enable_gqa) and FlexAttention's paged attention on
+                 bench/gpu/bench_decode.cu's GQA decode shapes: bf16, 32 query / 8 kv heads, head_dim 128, one query
+                 row, batch 1, 8, 64 x S_kv 4096, 32768, 131072. Rows
+                 `decode/bf16/torch_<cudnn|flash>/b{B}_h32_hkv8_skv{S}_d128` beside bench_decode's `contig` lines,
+                 `decode/bf16/torch_flex_paged<P>/...` (P = 16, 64) beside its `paged<P>` lines: the PagedAttention
+                 of torch.nn.attention.experimental._paged_attention with pages of P tokens handed out in a shuffled
+                 order (reserve, assign into a physical cache (1, 8, pages·P, 128), convert_logical_block_mask), then
+                 torch.compile(flex_attention) with enable_gqa (one query row, or 16 with the real one kept where one
+                 is refused: counter q_rows); a shape it cannot take (missing, out of memory, compile error) is a
+                 note. bytes = the K and V one call reads, GB/s their rate. Each call reads another copy of K/V (the
+                 copies spanning at least 1 GiB); the time is the mean of --iters calls (default 20) queued between
+                 two events, as bench_decode times.
   --ragged       CUDA varlen flash attention, torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q,
                  cu_seqlens_k, max_q, max_k, 0.0, is_causal, False, scale=1/sqrt(d)) on packed (tokens, heads, d)
                  bf16 tensors, on bench/gpu/bench_ragged.cu's ragged batches (uniform 16 x 1024; mixed and short:
@@ -89,6 +95,7 @@ FlexAttention is skipped without it. --list runs on any torch.
 import argparse
 import contextlib
 import datetime
+import inspect
 import itertools
 import json
 import math
@@ -133,6 +140,7 @@ CUDA_BACKWARD_BH, CUDA_BACKWARD_DIMS, CUDA_BACKWARD_SEQS = (16, 16), (64, 128), 
 # bench/gpu/bench_decode.cu's shapes: GQA decode, bf16, one query row, batch x S_kv, 32 query / 8 kv heads, D 128.
 DECODE_BATCHES, DECODE_SEQS = (1, 8, 64), (4096, 32768, 131072)
 DECODE_HEADS, DECODE_HEADS_KV, DECODE_D = 32, 8, 128
+DECODE_PAGES = (16, 64)  # tokens a page of bench_decode's paged16 / paged64 caches (FlexAttention's paged rows)
 DECODE_SPAN = 1 << 30  # bytes the K/V copies span at least: each call reads another copy, so L2 holds none of it
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16} if torch else {}
 # Largest |error| against the float64 reference accepted per storage type (inputs uniform in [-1, 1)).
@@ -659,32 +667,86 @@ def run_backward(args, out, keep, device):
 
 def decode_rows():
     """(name, shape, backend, copies, kv_bytes) in bench/gpu/bench_decode.cu's order: per batch and S_kv, SDPA's cuDNN
-    backend, then its flash backend. shape is (b, h, h_kv, s_q, s_kv, d); copies: the K/V copies the calls rotate
-    through (together at least DECODE_SPAN bytes, at most 8); kv_bytes: the K and V one call reads."""
+    backend, its flash backend, then FlexAttention's paged attention with pages of 16 and 64 tokens (backend
+    flex_paged16, flex_paged64). shape is (b, h, h_kv, s_q, s_kv, d); copies: the K/V copies the calls rotate through
+    (together at least DECODE_SPAN bytes, at most 8); kv_bytes: the K and V one call reads."""
     rows = []
     for b in DECODE_BATCHES:
         for s_kv in DECODE_SEQS:
             per = b * DECODE_HEADS_KV * s_kv * DECODE_D * 2  # bytes of K (and of V), bf16
             copies = max(1, min(8, -(-DECODE_SPAN // (2 * per))))
             shape = (b, DECODE_HEADS, DECODE_HEADS_KV, 1, s_kv, DECODE_D)
-            for backend in ("cudnn", "flash"):
+            for backend in ("cudnn", "flash") + tuple("flex_paged%d" % p for p in DECODE_PAGES):
                 name = "decode/bf16/torch_%s/b%d_h%d_hkv%d_skv%d_d%d" % (backend, b, DECODE_HEADS, DECODE_HEADS_KV,
                                                                          s_kv, DECODE_D)
                 rows.append((name, shape, backend, copies, 2.0 * per))
     return rows
 
 
+def flex_paged(name, flex, sets, page):
+    """(attend, extra counters) for FlexAttention's paged attention (torch.nn.attention.experimental._paged_attention)
+    over pages of `page` tokens, or None after a note (FlexAttention or PagedAttention missing, out of memory, a
+    compile error). PagedAttention hands out its pages in a shuffled order (a permutation from torch.randperm, as
+    bench_decode shuffles its block table); every K/V copy of `sets` is scattered through its page table into a
+    physical cache (1, h_kv, pages·page, d) of its own, and the logical block mask (all blocks full, BLOCK_SIZE = page)
+    is converted to physical pages. flex_attention (enable_gqa) runs on one query row; where it refuses that, on the
+    row padded to 16 (counter q_rows), only the real row returned. All sets share sets[0]'s query (run_decode's)."""
+    if flex is None:
+        note("%s skipped: FlexAttention unavailable" % name)
+        return None
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, noop_mask
+        q, k, _ = sets[0]
+        b, h_kv, s_kv, d = k.shape
+        n_pages = b * s_kv // page
+        paged = PagedAttention(n_pages, page, b, device="cuda")
+        paged.empty_pages = torch.randperm(n_pages, generator=torch.Generator().manual_seed(page)).tolist()
+        for i in range(b):
+            paged.reserve(torch.tensor(i), torch.tensor(s_kv, device="cuda"))
+        idx, pos = torch.arange(b, device="cuda"), torch.arange(s_kv, device="cuda").view(1, s_kv)
+        caches = {}
+        for _, k, v in sets:
+            caches[id(k)] = kc, vc = [torch.empty(1, h_kv, n_pages * page, d, dtype=k.dtype, device="cuda")
+                                      for _ in range(2)]
+            for i in range(b):  # a batch at a time: assign's transposed copy of K and V stays small
+                paged.assign(idx[i:i + 1], pos, k[i:i + 1], v[i:i + 1], kc, vc)
+        convert = paged.convert_logical_block_mask  # newer versions take the lengths (kv_len)
+        lengths = {"kv_len": torch.full((b,), s_kv, dtype=torch.int64, device="cuda")} \
+            if "kv_len" in inspect.signature(convert).parameters else {}
+        failure = None
+        for rows in (1, 16):
+            mask = convert(create_block_mask(noop_mask, b, None, rows, s_kv, device="cuda", BLOCK_SIZE=page),
+                           **lengths)
+            q_in = q if rows == 1 else F.pad(q, (0, 0, 0, rows - 1))
+
+            def attend(q, k, v, q_in=q_in, mask=mask, rows=rows):
+                kc, vc = caches[id(k)]
+                o = flex.compiled(q_in, kc, vc, block_mask=mask, enable_gqa=True)
+                return o if rows == 1 else o[:, :, :1]
+            try:
+                attend(*sets[0])
+                return attend, {"page_size": page, "q_rows": rows}
+            except Exception as e:  # noqa: BLE001 - one query row refused: padded once more, then given up
+                failure = failure or e
+        raise failure
+    except Exception as e:  # noqa: BLE001 - missing, out of memory, cannot compile: a note, the other rows go on
+        note("%s skipped: %s" % (name, (str(e).splitlines() or [type(e).__name__])[0]))
+        return None
+
+
 def run_decode(args, out):
-    """GQA decode under SDPA (enable_gqa) with the cuDNN and the flash backend forced. Each row is checked against
-    float64 (the query row of every head of batch 0, relative to the largest entry), then timed as bench_decode times:
-    min(3·copies, 24) warm-up calls, then the mean of --iters calls (default 20) queued between two events, call i
-    reading K/V copy i % copies."""
+    """GQA decode under SDPA (enable_gqa) with the cuDNN and the flash backend forced, and under FlexAttention's paged
+    attention (flex_paged). Each row is checked against float64 (the query row of every head of batch 0, relative to
+    the largest entry), then timed as bench_decode times: min(3·copies, 24) warm-up calls, then the mean of --iters
+    calls (default 20) queued between two events, call i reading K/V copy i % copies."""
     if not torch.cuda.is_available():
         sys.exit("torch_peer: --decode needs a GPU, and torch.cuda.is_available() is False")
     keep = re.compile(args.filter)
     iters = args.iters or 20
     note("device:", torch.cuda.get_device_name(0), "torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())
     rows = [r for r in decode_rows() if keep.search(r[0])]
+    flex = make_flex() if any(r[2].startswith("flex") for r in rows) else None
     with torch.inference_mode():
         for (shape, copies), group in itertools.groupby(rows, key=lambda r: (r[1], r[3])):
             b, h, h_kv, s_q, s_kv, d = shape
@@ -694,8 +756,13 @@ def run_decode(args, out):
                                                                                   gen)) for _ in range(copies)]
             timer = lambda fn, n, c=copies: time_cuda_mean(fn, n, iters, min(3 * c, 24))  # noqa: E731
             for name, _, backend, _, kv_bytes in group:
-                out.add(checked_row(name, sdpa_with(backend, False, gqa=True), sets, shape, "bf16", "decode", 1, 1.0,
-                                    "cuda", args, timer=timer, relative=True, heads=h, traffic=kv_bytes))
+                made = flex_paged(name, flex, sets, int(backend[len("flex_paged"):])) \
+                    if backend.startswith("flex_paged") else (sdpa_with(backend, False, gqa=True), {})
+                if made is not None:
+                    out.add(checked_row(name, made[0], sets, shape, "bf16", "decode", 1, 1.0, "cuda", args,
+                                        timer=timer, relative=True, heads=h, traffic=kv_bytes, **made[1]))
+                del made  # a paged row's caches go before the next row's
+                torch.cuda.empty_cache()
             del q, sets
             torch.cuda.empty_cache()
 
@@ -1112,7 +1179,8 @@ def main():
                     help="suite mode: adds SDPA's backward, on the CPU fusedattn-bench's flash_bwd shapes (f32), on "
                          "CUDA bench/gpu/bench_backward.cu's (bf16, flash and cuDNN)")
     ap.add_argument("--decode", action="store_true",
-                    help="decode mode (CUDA): SDPA's cuDNN and flash backends on bench/gpu/bench_decode.cu's shapes")
+                    help="decode mode (CUDA): SDPA's cuDNN and flash backends and FlexAttention's paged attention "
+                         "on bench/gpu/bench_decode.cu's shapes")
     ap.add_argument("--ragged", action="store_true",
                     help="ragged mode (CUDA): varlen flash attention on bench/gpu/bench_ragged.cu's ragged batches")
     ap.add_argument("--iters", type=int, default=None,
