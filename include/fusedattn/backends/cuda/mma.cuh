@@ -25,6 +25,14 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                "r"(src_bytes));
 }
+/// cp_async_16 with the `.L2::128B` prefetch size: on a miss L2 fetches the whole 128-byte line, not only the
+/// sectors asked for, so a stream read once 16 bytes a lane (cuda.decode's K/V tiles) finds the line's other sectors
+/// there (docs/design.md, `cuda.decode`).
+__device__ __forceinline__ void cp_async_16_line(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /// Waits until at most `Pending` committed groups of this thread are still in flight.
 template <int Pending>
