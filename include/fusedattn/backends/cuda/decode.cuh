@@ -195,8 +195,8 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
         const int row = r0 + RS * x;
         const bool valid = k0 + row < ke;
         const index_t off = valid ? index_t(table[pg]) * p.kv.page + head_off + index_t(in) * p.kv.token : 0;
-        cp_async_16_line(ks + row * PITCH, kg + off, valid);
-        cp_async_16_line(vs + row * PITCH, vg + off, valid);
+        cp_async_16<l2_prefetch::line128>(ks + row * PITCH, kg + off, valid);
+        cp_async_16<l2_prefetch::line128>(vs + row * PITCH, vg + off, valid);
         in += RS;
         if (in >= ps) {
           in -= ps;
@@ -210,8 +210,8 @@ __global__ void __launch_bounds__(Tile::threads) decode_kernel(const decode_para
         const index_t j = k0 + row;
         const bool valid = j < ke;
         const index_t off = valid ? base_bh + j * p.kv.token + cc * 8 : 0;
-        cp_async_16_line(ks + row * PITCH, kg + off, valid);
-        cp_async_16_line(vs + row * PITCH, vg + off, valid);
+        cp_async_16<l2_prefetch::line128>(ks + row * PITCH, kg + off, valid);
+        cp_async_16<l2_prefetch::line128>(vs + row * PITCH, vg + off, valid);
       }
     }
   };

@@ -18,20 +18,23 @@ __device__ __forceinline__ std::uint32_t smem_address(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
 
+/// The L2 prefetch size a cp.async asks for: `none` leaves it to the hardware; `line128` (`.L2::128B`) makes L2
+/// fetch the whole 128-byte line on a miss, not only the sectors asked for, so a stream read once 16 bytes a lane
+/// (cuda.decode's K/V tiles) finds the line's other sectors there (docs/design.md, `cuda.decode`).
+enum class l2_prefetch { none, line128 };
+
 /// Copies 16 bytes global → shared without going through registers; when `valid` is false the 16 bytes are
-/// zero-filled and nothing is read.
+/// zero-filled and nothing is read. `cp_async_16(smem, g, ok)` issues plain `cp.async.cg`;
+/// `cp_async_16<l2_prefetch::line128>(smem, g, ok)` adds the `.L2::128B` prefetch size.
+template <l2_prefetch Prefetch = l2_prefetch::none>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(src_bytes));
-}
-/// cp_async_16 with the `.L2::128B` prefetch size: on a miss L2 fetches the whole 128-byte line, not only the
-/// sectors asked for, so a stream read once 16 bytes a lane (cuda.decode's K/V tiles) finds the line's other sectors
-/// there (docs/design.md, `cuda.decode`).
-__device__ __forceinline__ void cp_async_16_line(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(src_bytes));
+  if constexpr (Prefetch == l2_prefetch::line128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+                 "r"(src_bytes));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+                 "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /// Waits until at most `Pending` committed groups of this thread are still in flight.
