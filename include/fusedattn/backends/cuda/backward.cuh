@@ -1,7 +1,9 @@
 /// @file backward.cuh
 /// The backward pass of attention on tensor cores (sm_80 and newer, mma.sync m16n8k16, f32 accumulation) for f16
 /// and bf16: dQ, dK, dV by recomputation, FlashAttention-2 style, every band mask and block-sparse layouts, GQA/MQA.
-/// Included by dispatch/backward.hpp when FUSEDATTN_WITH_CUDA is 1 (nvcc only).
+/// On an sm_90a device at head_dim 64 and 128 the same steps run as wgmma kernels (backward_hopper.cuh, included at
+/// the end of this file); other calls take the mma.sync kernels below. Included by dispatch/backward.hpp when
+/// FUSEDATTN_WITH_CUDA is 1 (nvcc only).
 ///
 /// Three kernels on the call's stream, no atomics (results are bitwise the same on every run):
 ///   1. backward_delta_kernel: δ_i = Σ_c dO[i][c]·O[i][c] per query row (f32 scratch; 0 for a row that saw no key).
@@ -549,6 +551,13 @@ inline status backward_fits_mask(const block_sparse_mask& m) {
                                  std::to_string(rows) + " (its q tile); block_q is " + std::to_string(m.block_q)};
 }
 
+/// The Hopper (wgmma) dK/dV and dQ kernels for a call at head_dim 64 or 128 on an sm_90a device
+/// (backward_hopper.cuh, included at the end of this file): `launched` false when they do not take the call (the
+/// mma.sync kernels then run), else the status of their launches. `bp.delta` is filled already.
+template <class E, class Mask>
+status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, cudaStream_t stream,
+                              bool& launched);
+
 /// Launches the three kernels for a validated call whose pointers are device memory and which backward_applies
 /// accepted. `mask`: band, or block-sparse with device arrays.
 template <class T, class Mask>
@@ -571,6 +580,14 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
       backward_delta_kernel<E, Mask><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(bp);
       if (status st = last_launch("backward_delta_kernel"); !st) return st;
     }
+    const auto sink_grad = [&]() -> status {
+      if (mods.sink_logits == nullptr || mods.sink_grad == nullptr) return {};
+      backward_sink_kernel<Mask><<<unsigned(p.heads), 256, 0, stream>>>(bp, mods);
+      return last_launch("backward_sink_kernel");
+    };
+    bool hopper = false;
+    if (status st = launch_backward_hopper<E>(p, bp, mods.changes_scores(), stream, hopper); !st) return st;
+    if (hopper) return sink_grad();
     const status no_tile{errc::unsupported, "problem.head_dim: the CUDA backward kernel has no tile for it"};
     return with_backward_tile(p.head_dim, no_tile, [&](auto tile) -> status {
       using Tile = decltype(tile);
@@ -594,11 +611,7 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
                       "backward_dq_kernel");
       };
       if (status st = mods.changes_scores() ? kernels(std::true_type{}) : kernels(std::false_type{}); !st) return st;
-      if (mods.sink_logits != nullptr && mods.sink_grad != nullptr) {
-        backward_sink_kernel<Mask><<<unsigned(p.heads), 256, 0, stream>>>(bp, mods);
-        return last_launch("backward_sink_kernel");
-      }
-      return {};
+      return sink_grad();
     });
   } else {
     return {errc::unsupported,
@@ -676,3 +689,5 @@ status run_backward(const policy::cuda& pol, const problem& p, const tensor_ref<
 
 }  // namespace detail
 }  // namespace fusedattn
+
+#include "backward_hopper.cuh"  // launch_backward_hopper and its kernels

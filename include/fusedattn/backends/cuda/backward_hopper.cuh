@@ -1,0 +1,426 @@
+/// @file backward_hopper.cuh
+/// The backward pass on Hopper's warpgroup tensor cores (sm_90a: wgmma, f16/bf16 in, f32 accumulators), for
+/// head_dim 64 and 128: the same three steps as backward.cuh's mma.sync kernels (δ, then dK/dV, then dQ; no atomics,
+/// bitwise the same on every run), with each warpgroup's products issued as wgmma from swizzled shared memory.
+///   backward_dkdv_hopper_kernel: a block per (128 keys, kv head, batch), two warpgroups of 64 keys each; per q tile
+///     of 64 rows (the column walk, Q, dO, lse and δ of the next tile copied in during the current one):
+///       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (A and B from shared memory), Pᵀ, dV += Pᵀ·dO (Pᵀ from registers, dO N-major),
+///       dSᵀ = Pᵀ∘(dPᵀ − δ), dK += dSᵀ·Q (Q N-major);
+///   backward_dq_hopper_kernel: a block per (128 query rows, head, batch), two warpgroups of 64 rows; per key tile of
+///     64 (two K/V buffers): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P∘(dP − δ), dQ += dS·K (K N-major).
+/// Tiles are stored as 64-column panels of 128-byte swizzled atoms (flash_hopper.cuh's atom_offset), copied in by
+/// cp.async from every thread. The element-wise steps (modifiers, mask, exponent, dS) are backward.cuh's, on the same
+/// accumulator layout. Included at the end of backward.cuh, which declares launch_backward_hopper.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backward.cuh"
+#include "flash_hopper.cuh"
+#include "wgmma.cuh"
+
+namespace fusedattn {
+namespace cuda_backend {
+
+/// Tile shape of the Hopper backward kernels: two warpgroups; the dK/dV kernel owns 128 keys (64 a warpgroup) and
+/// walks q tiles of 64 rows (two buffers of Q, dO, lse and δ); the dQ kernel owns 128 query rows (64 a warpgroup)
+/// and walks key tiles of 64 (two K/V buffers). One block per multiprocessor; at head_dim 128 each kernel takes
+/// 129 KB of shared memory.
+template <int HeadDim>
+struct hopper_backward_tile {
+  static constexpr int head_dim = HeadDim;
+  static constexpr int chunks = HeadDim / 8;  ///< 16-byte chunks per row
+  static constexpr int warpgroups = 2;
+  static constexpr int threads = 128 * warpgroups;
+  static constexpr int block_kv = 64 * warpgroups;  ///< keys a dK/dV block owns
+  static constexpr int block_q = 64;                ///< q rows per tile of the dK/dV kernel
+  static constexpr int dq_rows = 64 * warpgroups;   ///< q rows a dQ block owns
+  static constexpr int dq_keys = 64;                ///< keys per tile of the dQ kernel
+  static constexpr int atom_bytes = 1024;           ///< tiles start on a swizzle atom
+  /// K, V; Q, dO twice; lse·log2e and δ twice; slack to align the start to an atom.
+  static constexpr int dkdv_smem =
+      (2 * block_kv + 4 * block_q) * HeadDim * 2 + 4 * block_q * int(sizeof(float)) + atom_bytes;
+  /// Q, dO; K, V twice; the slack.
+  static constexpr int dq_smem = (2 * dq_rows + 4 * dq_keys) * HeadDim * 2 + atom_bytes;
+  static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward kernels take head_dim 64 and 128");
+};
+
+/// c (64 × N per warpgroup) = A·Bᵀ over D columns, issued (not committed): A is `AR` rows of a panel tile from the
+/// warpgroup's first row (`a_desc`), B the N rows of a panel tile of `BR` rows (`b_desc`), both K-major.
+template <class E, int D, int AR, int BR, int N>
+__device__ __forceinline__ void issue_abt(float (&c)[N / 8][4], std::uint64_t a_desc, std::uint64_t b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int panel = kk / 4, col = (kk % 4) * 16;
+    wgmma_ss<E, N>(c, desc_plus(a_desc, panel * AR * 64 + col), desc_plus(b_desc, panel * BR * 64 + col), kk > 0);
+  }
+}
+
+/// c (64 × D per warpgroup) += A (64 × K, this warp's packed fragments: pk[n][r] holds row g + 8r, columns 2t, 2t + 1
+/// of the n-th 8-wide tile) · B (K rows of a panel tile, N-major descriptor `b_desc`), issued (not committed).
+template <class E, int D, int K>
+__device__ __forceinline__ void issue_packed(float (&c)[D / 8][4], std::uint32_t (&pk)[K / 8][2],
+                                             std::uint64_t b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const std::uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+    wgmma_rs<E, D>(c, a, desc_plus(b_desc, kk * 16 * 64));
+  }
+}
+
+/// dK and dV of 128 keys: see the file comment.
+template <class E, class Tile, class Mask, bool Mods = false>
+__global__ void __launch_bounds__(Tile::threads, 1)
+    backward_dkdv_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
+#if FUSEDATTN_WGMMA_COMPILED
+  constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
+  constexpr bool band = mask_traits<Mask>::one_segment;
+  constexpr float log2e = float(fusedattn::log2e);
+  constexpr std::uint32_t atom = Tile::atom_bytes;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t raw = smem_address(smem_raw);
+  E* sk = reinterpret_cast<E*>(smem_raw + ((raw + atom - 1) / atom * atom - raw));  // [BN][D] in panels
+  E* sv = sk + BN * D;                                                               // [BN][D]
+  E* sq = sv + BN * D;                                                               // [2][BM][D]
+  E* sdo = sq + 2 * BM * D;                                                          // [2][BM][D]
+  float* s_lse = reinterpret_cast<float*>(sdo + 2 * BM * D);  // [2][BM]: lse·log2e, +inf for rows without keys
+  float* s_delta = s_lse + 2 * BM;                            // [2][BM]
+
+  const int h_kv = blockIdx.y, b = blockIdx.z;
+  const int k0 = blockIdx.x * BN, k1 = k0 + BN < p.seq_kv ? k0 + BN : p.seq_kv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
+  const int kw = warp * 16;  // the warp's first key in the block's tile
+  // The warpgroup's keys [kg0, kg1) (empty past seq_kv).
+  const int kg0 = k0 + 64 * wg, kg1 = kg0 + 64 < k1 ? kg0 + 64 : (k1 > kg0 ? k1 : kg0);
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  load_atoms<Tile, BN>(sk, k_head + index_t(k0) * p.k_stride.s, p.k_stride.s, k1 - k0);
+  load_atoms<Tile, BN>(sv, v_head + index_t(k0) * p.v_stride.s, p.v_stride.s, k1 - k0);
+
+  const auto load_q_tile = [&](int stage, int h, int q0) {
+    const int rows = q0 + BM < p.seq_q ? BM : p.seq_q - q0;
+    load_atoms<Tile, BM>(sq + stage * BM * D,
+                         static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                         p.q_stride.s, rows);
+    load_atoms<Tile, BM>(sdo + stage * BM * D,
+                         static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                         p.do_stride.s, rows);
+    for (int r = threadIdx.x; r < BM; r += Tile::threads) {
+      const index_t row = (index_t(b) * p.heads + h) * p.seq_q + q0 + r;
+      const float l = r < rows ? p.lse[row] : -INFINITY;
+      s_lse[stage * BM + r] = l == -INFINITY ? INFINITY : l * log2e;
+      s_delta[stage * BM + r] = l == -INFINITY ? 0.f : p.delta[row];
+    }
+  };
+
+  // The wgmma descriptors, built once (desc_plus moves them to a stage): K and V of this warpgroup's 64 keys (A,
+  // K-major); Q and dO as B of the score products (K-major) and of dK and dV (N-major: q rows are the reduction).
+  const std::uint64_t k_desc = swizzled_descriptor(sk + wg * 64 * 64, 16, atom);
+  const std::uint64_t v_desc = swizzled_descriptor(sv + wg * 64 * 64, 16, atom);
+  const std::uint64_t q_desc = swizzled_descriptor(sq, 16, atom);
+  const std::uint64_t do_desc = swizzled_descriptor(sdo, 16, atom);
+  const std::uint64_t q_desc_n = swizzled_descriptor(sq, BM * 128, atom);
+  const std::uint64_t do_desc_n = swizzled_descriptor(sdo, BM * 128, atom);
+
+  column_walk<Mask, BM> walk(p, b, h_kv, k0, k1);
+  int h = 0, q0 = 0;
+  bool have = walk.next(h, q0);
+  if (have) load_q_tile(0, h, q0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero_acc(dk);
+  zero_acc(dv);
+  for (int stage = 0; have; stage ^= 1) {
+    int h_next = 0, q_next = 0;
+    const bool have_next = walk.next(h_next, q_next);
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // this stage landed; every warpgroup is done with the other one
+    if (have_next) {
+      load_q_tile(stage ^ 1, h_next, q_next);
+      cp_async_commit();
+    }
+    const int off = stage * BM * D;
+    const float* lse_t = s_lse + stage * BM;
+    const float* delta_t = s_delta + stage * BM;
+    const Mask mask = head_mask(p.mask, b, h);
+    const int q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+    const bool partial = kg0 < kg1 && mask.is_partial(q0, q1, kg0, kg1);
+
+    // Sᵀ (64 keys × BM rows) = K·Qᵀ and dPᵀ = V·dOᵀ, two groups; Pᵀ while dPᵀ runs.
+    float s[BM / 8][4], dp[BM / 8][4];
+    wgmma_fence();
+    issue_abt<E, D, BN, BM, BM>(s, k_desc, desc_plus(q_desc, off));
+    wgmma_commit();
+    issue_abt<E, D, BN, BM, BM>(dp, v_desc, desc_plus(do_desc, off));
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_operands(s);
+    [[maybe_unused]] float cg[BM / 8][4];  // softcap's chain-rule factor (Mods)
+    if constexpr (Mods) {
+      const backward_mods bm(make_tile_mods<true>(mask, h, p.scale_log2));
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          cg[n][e] = bm.apply(s[n][e], q0 + n * 8 + 2 * t + (e & 1), k0 + kw + g + 8 * (e / 2));
+    }
+    if (partial) {
+      const band32 rule = element_rule(mask);
+      bool listed[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) listed[r] = key_listed(mask, q0, k0 + kw + g + 8 * r);
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = q0 + n * 8 + 2 * t + (e & 1), j = k0 + kw + g + 8 * (e / 2);
+          if (!(rule.allowed(i, j) && (band || listed[e / 2]))) s[n][e] = -INFINITY;
+        }
+    }
+    std::uint32_t pk[BM / 8][2];
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+      const float l0 = lse_t[n * 8 + 2 * t], l1 = lse_t[n * 8 + 2 * t + 1];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -l0));
+        s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -l1));
+        pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
+      }
+    }
+    // dV (64 keys × D) += Pᵀ·dO.
+    fence_fragments(pk);
+    wgmma_fence();
+    issue_packed<E, D, BM>(dv, pk, desc_plus(do_desc_n, off));
+    wgmma_commit();
+    wgmma_wait<1>();  // dPᵀ is ready
+    fence_operands(dp);
+    std::uint32_t pd[BM / 8][2];
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+      const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float x0 = s[n][2 * r] * (dp[n][2 * r] - d0), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1);
+        if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+        pd[n][r] = mma_type<E>::pack(x0, x1);
+      }
+    }
+    // dK (64 keys × D) += dSᵀ·Q.
+    fence_fragments(pd);
+    wgmma_fence();
+    issue_packed<E, D, BM>(dk, pd, desc_plus(q_desc_n, off));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_fragments(pk);
+    fence_fragments(pd);
+    h = h_next;
+    q0 = q_next;
+    have = have_next;
+  }
+  cp_async_wait<0>();  // a block whose walk is empty still has its K/V copies in flight
+
+  E* dk_head = static_cast<E*>(p.dk) + b * p.dk_stride.b + h_kv * p.dk_stride.h + index_t(k0) * p.dk_stride.s;
+  E* dv_head = static_cast<E*>(p.dv) + b * p.dv_stride.b + h_kv * p.dv_stride.h + index_t(k0) * p.dv_stride.s;
+  store_rows<E, D>(dk_head, p.dk_stride.s, dk, kw, k1 - k0, p.head_dim, p.scale, g, t);
+  store_rows<E, D>(dv_head, p.dv_stride.s, dv, kw, k1 - k0, p.head_dim, 1.f, g, t);
+#else
+  (void)p;
+#endif
+}
+
+/// dQ of 128 query rows: see the file comment.
+template <class E, class Tile, class Mask, bool Mods = false>
+__global__ void __launch_bounds__(Tile::threads, 1)
+    backward_dq_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
+#if FUSEDATTN_WGMMA_COMPILED
+  constexpr int D = Tile::head_dim, BM = Tile::dq_rows, BN = Tile::dq_keys;
+  constexpr bool band = mask_traits<Mask>::one_segment;
+  constexpr float log2e = float(fusedattn::log2e);
+  constexpr std::uint32_t atom = Tile::atom_bytes;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t raw = smem_address(smem_raw);
+  E* sq = reinterpret_cast<E*>(smem_raw + ((raw + atom - 1) / atom * atom - raw));  // [BM][D] in panels
+  E* sdo = sq + BM * D;                                                              // [BM][D]
+  E* sk = sdo + BM * D;                                                              // [2][BN][D]
+  E* sv = sk + 2 * BN * D;                                                           // [2][BN][D]
+
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x), h = blockIdx.y, b = blockIdx.z;
+  const int h_kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
+  const int q0 = m_block * BM, q1 = q0 + BM < p.seq_q ? q0 + BM : p.seq_q;
+  const int wr = warp * 16;  // the warp's first row in the tile
+  const int w0 = q0 + wr, w1 = w0 + 16 < p.seq_q ? w0 + 16 : p.seq_q;
+  const E* k_head = static_cast<const E*>(p.k) + b * p.k_stride.b + h_kv * p.k_stride.h;
+  const E* v_head = static_cast<const E*>(p.v) + b * p.v_stride.b + h_kv * p.v_stride.h;
+  auto rows_left = [](int from, int end, int cap) { return end - from < cap ? end - from : cap; };
+
+  const Mask mask = head_mask(p.mask, b, h);
+  [[maybe_unused]] backward_mods bm;
+  if constexpr (Mods) bm = backward_mods(make_tile_mods<true>(mask, h, p.scale_log2));
+  key_tiles<Mask, BN> tiles(mask, q0, q1);
+  const band32 rule = element_rule(mask);
+  const int k_first = tiles.first(0, 1);
+
+  load_atoms<Tile, BM>(sq, static_cast<const E*>(p.q) + b * p.q_stride.b + h * p.q_stride.h + q0 * p.q_stride.s,
+                       p.q_stride.s, q1 - q0);
+  load_atoms<Tile, BM>(sdo,
+                       static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
+                       p.do_stride.s, q1 - q0);
+  if (k_first >= 0) {
+    const int rows = rows_left(k_first, p.seq_kv, BN);
+    load_atoms<Tile, BN>(sk, k_head + index_t(k_first) * p.k_stride.s, p.k_stride.s, rows);
+    load_atoms<Tile, BN>(sv, v_head + index_t(k_first) * p.v_stride.s, p.v_stride.s, rows);
+  }
+  cp_async_commit();
+
+  // This thread's rows w0 + g and w0 + g + 8: lse·log2e (+inf for a row without keys or past seq_q: P = 0) and δ.
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = w0 + g + 8 * r;
+    const index_t row = (index_t(b) * p.heads + h) * p.seq_q + i;
+    const float l = i < p.seq_q ? p.lse[row] : -INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * log2e;
+    dlt[r] = l == -INFINITY ? 0.f : p.delta[row];
+  }
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+
+  // Q and dO of this warpgroup's 64 rows (A, K-major); K and V as B of the score products (K-major) and K of dQ
+  // (N-major: keys are the reduction).
+  const std::uint64_t q_desc = swizzled_descriptor(sq + wg * 64 * 64, 16, atom);
+  const std::uint64_t do_desc = swizzled_descriptor(sdo + wg * 64 * 64, 16, atom);
+  const std::uint64_t k_desc = swizzled_descriptor(sk, 16, atom);
+  const std::uint64_t v_desc = swizzled_descriptor(sv, 16, atom);
+  const std::uint64_t k_desc_n = swizzled_descriptor(sk, BN * 128, atom);
+
+  float dq[D / 8][4];
+  zero_acc(dq);
+  for (int k0 = k_first, k_next = -1, stage = 0; k0 >= 0; k0 = k_next, stage ^= 1) {
+    const int tile_begin = tiles.seg_begin, tile_end = tiles.seg_end;  // before next() moves on
+    const int off = stage * BN * D;
+    k_next = tiles.next(k0);
+    if (k_next >= 0) {
+      const int rows = rows_left(k_next, p.seq_kv, BN);
+      load_atoms<Tile, BN>(sk + (stage ^ 1) * BN * D, k_head + index_t(k_next) * p.k_stride.s, p.k_stride.s, rows);
+      load_atoms<Tile, BN>(sv + (stage ^ 1) * BN * D, v_head + index_t(k_next) * p.v_stride.s, p.v_stride.s, rows);
+      cp_async_commit();
+    }
+
+    // S (64 rows × BN) = Q·Kᵀ and dP = dO·Vᵀ, two groups; P while dP runs.
+    float s[BN / 8][4], dp[BN / 8][4];
+    wgmma_fence();
+    issue_abt<E, D, BM, BN, BN>(s, q_desc, desc_plus(k_desc, off));
+    wgmma_commit();
+    issue_abt<E, D, BM, BN, BN>(dp, do_desc, desc_plus(v_desc, off));
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_operands(s);
+    [[maybe_unused]] float cg[BN / 8][4];  // softcap's chain-rule factor (Mods)
+    if constexpr (Mods) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cg[n][e] = bm.apply(s[n][e], w0 + g + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
+    }
+    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
+    if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = w0 + g + 8 * (e / 2), j = k0 + n * 8 + 2 * t + (e & 1);
+          bool ok = rule.allowed(i, j);
+          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
+          if (!ok) s[n][e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+
+    // dS = P∘(dP − δ), packed; dQ += dS·K.
+    wgmma_wait<0>();
+    fence_operands(dp);
+    std::uint32_t pk[BN / 8][2];
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float x0 = s[n][2 * r] * (dp[n][2 * r] - dlt[r]), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]);
+        if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+        pk[n][r] = mma_type<E>::pack(x0, x1);
+      }
+    fence_fragments(pk);
+    wgmma_fence();
+    issue_packed<E, D, BN>(dq, pk, desc_plus(k_desc_n, off));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(dq);
+    fence_fragments(pk);
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // the next tile landed; every warpgroup is done with this one's buffers
+  }
+
+  E* dq_head = static_cast<E*>(p.dq) + b * p.dq_stride.b + h * p.dq_stride.h + index_t(q0) * p.dq_stride.s;
+  store_rows<E, D>(dq_head, p.dq_stride.s, dq, wr, q1 - q0, p.head_dim, p.scale, g, t);
+#else
+  (void)p;
+#endif
+}
+
+/// Whether a mask's layout keeps each Hopper tile in one q-block row: band masks always; block-sparse layouts when
+/// block_q is a multiple of the dQ kernel's 128 rows.
+inline bool hopper_backward_fits(const band_mask&) { return true; }
+inline bool hopper_backward_fits(const block_sparse_mask& m) {
+  return m.block_q % hopper_backward_tile<64>::dq_rows == 0;
+}
+
+template <class E, class Mask>
+status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, cudaStream_t stream,
+                              bool& launched) {
+  launched = false;
+  if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
+    if ((p.head_dim != 64 && p.head_dim != 128) || !hopper_backward_fits(bp.mask) || !hopper_flash_ready(stream))
+      return {};
+    const auto run = [&](auto tile, auto mods_on) -> status {
+      using Tile = decltype(tile);
+      constexpr bool Mods = decltype(mods_on)::value;
+      const auto launch = [&](auto kernel, int smem, index_t rows, int tile_rows, int heads,
+                              const char* name) -> status {
+        if (rows == 0) return {};
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return from_cuda(e, ("cudaFuncSetAttribute(" + std::string(name) + ")").c_str());
+        const dim3 grid(unsigned((rows + tile_rows - 1) / tile_rows), unsigned(heads), unsigned(p.batch));
+        kernel<<<grid, Tile::threads, smem, stream>>>(bp);
+        return last_launch(name);
+      };
+      if (status st = launch(backward_dkdv_hopper_kernel<E, Tile, Mask, Mods>, Tile::dkdv_smem, p.seq_kv,
+                             Tile::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel");
+          !st)
+        return st;
+      return launch(backward_dq_hopper_kernel<E, Tile, Mask, Mods>, Tile::dq_smem, p.seq_q, Tile::dq_rows,
+                    int(p.heads), "backward_dq_hopper_kernel");
+    };
+    launched = true;
+    const auto with_mods = [&](auto tile) {
+      return mods ? run(tile, std::true_type{}) : run(tile, std::false_type{});
+    };
+    return p.head_dim == 64 ? with_mods(hopper_backward_tile<64>{}) : with_mods(hopper_backward_tile<128>{});
+  } else {
+    (void)p, (void)bp, (void)mods, (void)stream;
+    return {};
+  }
+}
+
+}  // namespace cuda_backend
+}  // namespace fusedattn
