@@ -18,8 +18,11 @@
 
 #include <fusedattn/fusedattn.hpp>
 
+#include "flash_params_fill.cuh"
+
 namespace fa = fusedattn;
 namespace cb = fusedattn::cuda_backend;
+namespace fab = fusedattn::bench;
 
 namespace {
 
@@ -210,21 +213,8 @@ void time_tile(const shape& c, operands<T>& x, const char* label) {
   const fa::strides4 st = x.out().stride;
   const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
   const auto run = [&](int i) {
-    // Input set i's parameters, by name; the rest as flash_params_t initialises them (head_dim 0: the tile's).
-    cb::flash_params fp{};
-    fp.q = x.q[i];
-    fp.k = x.k[i];
-    fp.v = x.v[i];
-    fp.o = x.o;
-    fp.lse = x.lse;
-    fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
-    fp.batch = c.b;
-    fp.heads = c.h;
-    fp.group = 1;
-    fp.seq_q = fp.seq_kv = c.s;
-    fp.scale_log2 = scale_log2;
-    fp.mask = m;
-    fp.splits = 1;
+    // Input set i's parameters (head_dim 0: the tile's).
+    cb::flash_params fp = fab::fill_flash_params(x.q[i], x.k[i], x.v[i], x.o, x.lse, st, c.b, c.h, c.s, scale_log2, m);
     const fa::status st = [&] {
       if constexpr (Hopper)
         return cb::launch_flash_hopper<E, Tile>(fp, nullptr);
@@ -448,23 +438,9 @@ void block_sparse_suite(int h, int s, double sparsity) {
     const fa::block_sparse_mask m = fa::cuda::bind(fa::cuda::device_block_sparse{device_layout}, x.p).mask;
     const fa::strides4 st = x.out().stride;
     const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
-    // Input set i's parameters, by name; the rest as flash_params_t initialises them (head_dim 0: the tile's 128).
+    // Input set i's parameters (head_dim 0: the tile's 128).
     const auto params = [&](int i) {
-      cb::flash_params_t<fa::block_sparse_mask> fp{};
-      fp.q = x.q[i];
-      fp.k = x.k[i];
-      fp.v = x.v[i];
-      fp.o = x.o;
-      fp.lse = x.lse;
-      fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
-      fp.batch = 1;
-      fp.heads = h;
-      fp.group = 1;
-      fp.seq_q = fp.seq_kv = s;
-      fp.scale_log2 = scale_log2;
-      fp.mask = m;
-      fp.splits = 1;
-      return fp;
+      return fab::fill_flash_params(x.q[i], x.k[i], x.v[i], x.o, x.lse, st, 1, h, s, scale_log2, m);
     };
     const auto sparse_tile = [&](auto tile, const char* label) {
       using Tile = decltype(tile);

@@ -10,8 +10,11 @@
 
 #include <fusedattn/fusedattn.hpp>
 
+#include "flash_params_fill.cuh"
+
 namespace fa = fusedattn;
 namespace cb = fusedattn::cuda_backend;
+namespace fab = fusedattn::bench;
 
 #define CK(call)                                                                                \
   do {                                                                                          \
@@ -68,20 +71,8 @@ void time_tile(bufs& x, bool causal, bool is_default, const char* label) {
   const fa::band_mask m = causal ? fa::bind(fa::causal{}, p) : fa::bind(fa::dense{}, p);
   const fa::strides4 st{fa::index_t(x.h) * x.s * x.d, fa::index_t(x.s) * x.d, x.d, 1};
   const float scale_log2 = float(p.softmax_scale() * 1.4426950408889634);
-  // The launch parameters, by name; the rest as flash_params_t initialises them (no lse; head_dim 0: the tile's).
-  cb::flash_params fp{};
-  fp.q = x.q;
-  fp.k = x.k;
-  fp.v = x.v;
-  fp.o = x.o;
-  fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
-  fp.batch = x.b;
-  fp.heads = x.h;
-  fp.group = 1;
-  fp.seq_q = fp.seq_kv = x.s;
-  fp.scale_log2 = scale_log2;
-  fp.mask = m;
-  fp.splits = 1;
+  // The launch parameters (no lse; head_dim 0: the tile's).
+  cb::flash_params fp = fab::fill_flash_params(x.q, x.k, x.v, x.o, nullptr, st, x.b, x.h, x.s, scale_log2, m);
   for (int i = 0; i < 3; ++i)
     if (!cb::launch_flash<__half, Tile>(fp, nullptr)) std::exit(1);
   CK(cudaDeviceSynchronize());

@@ -19,8 +19,11 @@
 
 #include <fusedattn/fusedattn.hpp>
 
+#include "flash_params_fill.cuh"
+
 namespace fa = fusedattn;
 namespace cb = fusedattn::cuda_backend;
+namespace fab = fusedattn::bench;
 using T = Eigen::half;
 
 namespace {
@@ -140,21 +143,9 @@ int main(int argc, char** argv) {
     const fa::strides4 st = fa::bhsd(x.o, x.p.o_dims()).stride;
     const float scale_log2 = float(x.p.softmax_scale() * 1.4426950408889634);
     const double dense = x.time(flash, fa::dense{});
-    // The tiles' parameters, by name; the rest as flash_params_t initialises them (head_dim 0: the tile's 128).
-    cb::flash_params_t<fa::block_sparse_mask> fp{};
-    fp.q = x.q;
-    fp.k = x.k;
-    fp.v = x.v;
-    fp.o = x.o;
-    fp.lse = x.lse;
-    fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = st;
-    fp.batch = 1;
-    fp.heads = h;
-    fp.group = 1;
-    fp.seq_q = fp.seq_kv = 10000;
-    fp.scale_log2 = scale_log2;
-    fp.mask = m;
-    fp.splits = 1;
+    // The tiles' parameters (head_dim 0: the tile's 128).
+    cb::flash_params_t<fa::block_sparse_mask> fp =
+        fab::fill_flash_params(x.q, x.k, x.v, x.o, x.lse, st, 1, h, 10000, scale_log2, m);
     const auto tile = [&](auto t, const char* label) {
       using Tile = decltype(t);
       const double ms = median_ms([&] { check(cb::launch_flash_hopper<__half, Tile>(fp, nullptr)); });
