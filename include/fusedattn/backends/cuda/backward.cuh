@@ -109,22 +109,29 @@ R with_backward_tile(index_t head_dim, R otherwise, F&& f) {
   return f(backward_tile<128>{});
 }
 
-/// δ of each query row: one warp a row, eight rows a block; the warp's sum is reduced in a fixed order. A row that
-/// saw no key (lse = −inf) gets δ = 0, so that its P = 0 gives dS = 0 whatever its O holds.
+/// δ of each query row: 16 threads a row, eight columns each (one 16-byte load of O and one of dO: head_dim is at
+/// most 128 and rows are 16-byte aligned, backward_applies), sixteen rows a block; the threads' sums are reduced in
+/// a fixed order. A row that saw no key (lse = −inf) gets δ = 0, so that its P = 0 gives dS = 0 whatever its O holds.
 template <class E, class Mask>
 __global__ void __launch_bounds__(256) backward_delta_kernel(const backward_params_t<Mask> p) {
   const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
-  const index_t r = index_t(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (r >= rows) return;
-  const int lane = threadIdx.x % 32;
-  const index_t i = r % p.seq_q, h = (r / p.seq_q) % p.heads, b = r / (index_t(p.seq_q) * p.heads);
-  const E* o = static_cast<const E*>(p.o) + b * p.o_stride.b + h * p.o_stride.h + i * p.o_stride.s;
-  const E* d = static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + i * p.do_stride.s;
+  const index_t r = index_t(blockIdx.x) * 16 + threadIdx.x / 16;
+  const int c = (threadIdx.x % 16) * 8;
   float sum = 0.f;
-  for (int c = lane; c < p.head_dim; c += 32) sum = fmaf(widen(o[c]), widen(d[c]), sum);
+  if (r < rows && c < p.head_dim) {
+    const index_t i = r % p.seq_q, h = (r / p.seq_q) % p.heads, b = r / (index_t(p.seq_q) * p.heads);
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const E*>(p.o) + b * p.o_stride.b +
+                                                    h * p.o_stride.h + i * p.o_stride.s + c);
+    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const E*>(p.d_o) + b * p.do_stride.b +
+                                                    h * p.do_stride.h + i * p.do_stride.s + c);
+    const E* oe = reinterpret_cast<const E*>(&o);
+    const E* de = reinterpret_cast<const E*>(&d);
 #pragma unroll
-  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  if (lane == 0) p.delta[r] = p.lse[r] == -INFINITY ? 0.f : sum;
+    for (int e = 0; e < 8; ++e) sum = fmaf(widen(oe[e]), widen(de[e]), sum);
+  }
+#pragma unroll
+  for (int x = 8; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+  if (r < rows && threadIdx.x % 16 == 0) p.delta[r] = p.lse[r] == -INFINITY ? 0.f : sum;
 }
 
 /// The column walk of one dK/dV block: the (query head, q tile) pairs whose tile of `BM` rows sees keys
@@ -577,7 +584,7 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
     scratch_arena arena(stream);
     if (rows > 0) {
       if (status st = arena.allocate(bp.delta, rows, "backward: delta rows"); !st) return st;
-      backward_delta_kernel<E, Mask><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(bp);
+      backward_delta_kernel<E, Mask><<<unsigned((rows + 15) / 16), 256, 0, stream>>>(bp);
       if (status st = last_launch("backward_delta_kernel"); !st) return st;
     }
     const auto sink_grad = [&]() -> status {

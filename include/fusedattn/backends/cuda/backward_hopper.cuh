@@ -6,8 +6,8 @@
 ///     of 64 rows (the column walk, Q, dO, lse and δ of the next tile copied in during the current one):
 ///       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (A and B from shared memory), Pᵀ, dV += Pᵀ·dO (Pᵀ from registers, dO N-major),
 ///       dSᵀ = Pᵀ∘(dPᵀ − δ), dK += dSᵀ·Q (Q N-major);
-///   backward_dq_hopper_kernel: a block per (128 query rows, head, batch), two warpgroups of 64 rows; per key tile of
-///     64 (two K/V buffers): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P∘(dP − δ), dQ += dS·K (K N-major).
+///   backward_dq_hopper_kernel: a block per (64 query rows a warpgroup, head, batch), one warpgroup at head_dim 64 and
+///     two at 128 (hopper_backward_tiles); per key tile of 64 (two K/V buffers): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P∘(dP − δ), dQ += dS·K (K N-major).
 /// Tiles are stored as 64-column panels of 128-byte swizzled atoms (flash_hopper.cuh's atom_offset), copied in by
 /// cp.async from every thread. The element-wise steps (modifiers, mask, exponent, dS) are backward.cuh's, on the same
 /// accumulator layout. Included at the end of backward.cuh, which declares launch_backward_hopper.
@@ -23,15 +23,16 @@
 namespace fusedattn {
 namespace cuda_backend {
 
-/// Tile shape of the Hopper backward kernels: two warpgroups; the dK/dV kernel owns 128 keys (64 a warpgroup) and
-/// walks q tiles of 64 rows (two buffers of Q, dO, lse and δ); the dQ kernel owns 128 query rows (64 a warpgroup)
-/// and walks key tiles of 64 (two K/V buffers). One block per multiprocessor; at head_dim 128 each kernel takes
-/// 129 KB of shared memory.
-template <int HeadDim>
+/// Tile shape of one Hopper backward kernel, `Warpgroups` warpgroups of 64 rows: the dK/dV kernel owns 64 keys a
+/// warpgroup and walks q tiles of 64 rows (two buffers of Q, dO, lse and δ); the dQ kernel owns 64 query rows a
+/// warpgroup and walks key tiles of 64 (two K/V buffers). Two warpgroups: one block per multiprocessor (129 KB of
+/// shared memory at head_dim 128); one: two blocks (hopper_backward_tiles picks).
+template <int HeadDim, int Warpgroups>
 struct hopper_backward_tile {
   static constexpr int head_dim = HeadDim;
   static constexpr int chunks = HeadDim / 8;  ///< 16-byte chunks per row
-  static constexpr int warpgroups = 2;
+  static constexpr int warpgroups = Warpgroups;
+  static constexpr int min_blocks = Warpgroups == 1 ? 2 : 1;
   static constexpr int threads = 128 * warpgroups;
   static constexpr int block_kv = 64 * warpgroups;  ///< keys a dK/dV block owns
   static constexpr int block_q = 64;                ///< q rows per tile of the dK/dV kernel
@@ -44,6 +45,17 @@ struct hopper_backward_tile {
   /// Q, dO; K, V twice; the slack.
   static constexpr int dq_smem = (2 * dq_rows + 4 * dq_keys) * HeadDim * 2 + atom_bytes;
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward kernels take head_dim 64 and 128");
+  static_assert(Warpgroups == 1 || Warpgroups == 2, "the Hopper backward kernels run one or two warpgroups");
+};
+
+/// The tiles a call runs, chosen by timing both kernels at one and two warpgroups (`fusedattn_bench_backward` under
+/// ncu, H200): the dK/dV kernel takes two warpgroups (128 keys a block: 3–10 % faster than two blocks of 64 from
+/// S 2048 on); the dQ kernel one at head_dim 64 (two blocks of 64 rows: 19–28 % faster than one of 128) and two at
+/// head_dim 128 (within 3 % either way; fewer K/V copies).
+template <int HeadDim>
+struct hopper_backward_tiles {
+  using dkdv = hopper_backward_tile<HeadDim, 2>;
+  using dq = hopper_backward_tile<HeadDim, HeadDim == 64 ? 1 : 2>;
 };
 
 /// c (64 × N per warpgroup) = A·Bᵀ over D columns, issued (not committed): A is `AR` rows of a panel tile from the
@@ -71,7 +83,7 @@ __device__ __forceinline__ void issue_packed(float (&c)[D / 8][4], std::uint32_t
 
 /// dK and dV of 128 keys: see the file comment.
 template <class E, class Tile, class Mask, bool Mods = false>
-__global__ void __launch_bounds__(Tile::threads, 1)
+__global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dkdv_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
@@ -236,7 +248,7 @@ __global__ void __launch_bounds__(Tile::threads, 1)
 
 /// dQ of 128 query rows: see the file comment.
 template <class E, class Tile, class Mask, bool Mods = false>
-__global__ void __launch_bounds__(Tile::threads, 1)
+__global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dq_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::dq_rows, BN = Tile::dq_keys;
@@ -378,44 +390,45 @@ __global__ void __launch_bounds__(Tile::threads, 1)
 #endif
 }
 
-/// Whether a mask's layout keeps each Hopper tile in one q-block row: band masks always; block-sparse layouts when
-/// block_q is a multiple of the dQ kernel's 128 rows.
-inline bool hopper_backward_fits(const band_mask&) { return true; }
-inline bool hopper_backward_fits(const block_sparse_mask& m) {
-  return m.block_q % hopper_backward_tile<64>::dq_rows == 0;
-}
+/// Whether a mask's layout keeps each Hopper q tile in one q-block row: band masks always; block-sparse layouts when
+/// block_q is a multiple of the dQ kernel's rows (64 at head_dim 64, 128 at head_dim 128).
+inline bool hopper_backward_fits(const band_mask&, int) { return true; }
+inline bool hopper_backward_fits(const block_sparse_mask& m, int rows) { return m.block_q % rows == 0; }
 
 template <class E, class Mask>
 status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, cudaStream_t stream,
                               bool& launched) {
   launched = false;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
-    if ((p.head_dim != 64 && p.head_dim != 128) || !hopper_backward_fits(bp.mask) || !hopper_flash_ready(stream))
-      return {};
-    const auto run = [&](auto tile, auto mods_on) -> status {
-      using Tile = decltype(tile);
+    if (p.head_dim != 64 && p.head_dim != 128) return {};
+    const int dq_rows = p.head_dim == 64 ? hopper_backward_tiles<64>::dq::dq_rows
+                                         : hopper_backward_tiles<128>::dq::dq_rows;
+    if (!hopper_backward_fits(bp.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
+    const auto launch = [&](auto kernel, int threads, int smem, index_t rows, int tile_rows, int heads,
+                            const char* name) -> status {
+      if (rows == 0) return {};
+      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return from_cuda(e, ("cudaFuncSetAttribute(" + std::string(name) + ")").c_str());
+      const dim3 grid(unsigned((rows + tile_rows - 1) / tile_rows), unsigned(heads), unsigned(p.batch));
+      kernel<<<grid, threads, smem, stream>>>(bp);
+      return last_launch(name);
+    };
+    const auto run = [&](auto tiles, auto mods_on) -> status {
+      using KV = typename decltype(tiles)::dkdv;
+      using Q = typename decltype(tiles)::dq;
       constexpr bool Mods = decltype(mods_on)::value;
-      const auto launch = [&](auto kernel, int smem, index_t rows, int tile_rows, int heads,
-                              const char* name) -> status {
-        if (rows == 0) return {};
-        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e != cudaSuccess) return from_cuda(e, ("cudaFuncSetAttribute(" + std::string(name) + ")").c_str());
-        const dim3 grid(unsigned((rows + tile_rows - 1) / tile_rows), unsigned(heads), unsigned(p.batch));
-        kernel<<<grid, Tile::threads, smem, stream>>>(bp);
-        return last_launch(name);
-      };
-      if (status st = launch(backward_dkdv_hopper_kernel<E, Tile, Mask, Mods>, Tile::dkdv_smem, p.seq_kv,
-                             Tile::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel");
+      if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods>, KV::threads, KV::dkdv_smem, p.seq_kv,
+                             KV::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel");
           !st)
         return st;
-      return launch(backward_dq_hopper_kernel<E, Tile, Mask, Mods>, Tile::dq_smem, p.seq_q, Tile::dq_rows,
+      return launch(backward_dq_hopper_kernel<E, Q, Mask, Mods>, Q::threads, Q::dq_smem, p.seq_q, Q::dq_rows,
                     int(p.heads), "backward_dq_hopper_kernel");
     };
     launched = true;
-    const auto with_mods = [&](auto tile) {
-      return mods ? run(tile, std::true_type{}) : run(tile, std::false_type{});
+    const auto with_mods = [&](auto tiles) {
+      return mods ? run(tiles, std::true_type{}) : run(tiles, std::false_type{});
     };
-    return p.head_dim == 64 ? with_mods(hopper_backward_tile<64>{}) : with_mods(hopper_backward_tile<128>{});
+    return p.head_dim == 64 ? with_mods(hopper_backward_tiles<64>{}) : with_mods(hopper_backward_tiles<128>{});
   } else {
     (void)p, (void)bp, (void)mods, (void)stream;
     return {};
