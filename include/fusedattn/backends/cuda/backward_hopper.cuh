@@ -7,7 +7,8 @@
 ///       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (A and B from shared memory), Pᵀ, dV += Pᵀ·dO (Pᵀ from registers, dO N-major),
 ///       dSᵀ = Pᵀ∘(dPᵀ − δ), dK += dSᵀ·Q (Q N-major);
 ///   backward_dq_hopper_kernel: a block per (64 query rows a warpgroup, head, batch), one warpgroup at head_dim 64 and
-///     two at 128 (hopper_backward_tiles); per key tile of 64 (two K/V buffers): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P∘(dP − δ), dQ += dS·K (K N-major).
+///     two at 128 (hopper_backward_tiles); per key tile of 64 (two K/V buffers): S = Q·Kᵀ, dP = dO·Vᵀ, P,
+///     dS = P∘(dP − δ), dQ += dS·K (K N-major).
 /// Tiles are stored as 64-column panels of 128-byte swizzled atoms (flash_hopper.cuh's atom_offset), copied in by
 /// cp.async from every thread. The element-wise steps (modifiers, mask, exponent, dS) are backward.cuh's, on the same
 /// accumulator layout. Included at the end of backward.cuh, which declares launch_backward_hopper.
@@ -25,8 +26,8 @@ namespace cuda_backend {
 
 /// Tile shape of one Hopper backward kernel, `Warpgroups` warpgroups of 64 rows: the dK/dV kernel owns 64 keys a
 /// warpgroup and walks q tiles of 64 rows (two buffers of Q, dO, lse and δ); the dQ kernel owns 64 query rows a
-/// warpgroup and walks key tiles of 64 (two K/V buffers). Two warpgroups: one block per multiprocessor (129 KB of
-/// shared memory at head_dim 128); one: two blocks (hopper_backward_tiles picks).
+/// warpgroup and walks key tiles of 64 (two K/V buffers). Two warpgroups: one block per multiprocessor (about
+/// 130 KB of shared memory at head_dim 128); one: two blocks (hopper_backward_tiles picks).
 template <int HeadDim, int Warpgroups>
 struct hopper_backward_tile {
   static constexpr int head_dim = HeadDim;
