@@ -120,8 +120,9 @@ inline Acc online_softmax_step(Acc* s, index_t cols, Acc c, Acc& m, Acc& l, RowM
 template <class Acc, class Arch>
 inline Acc online_softmax_row(Acc* s, index_t cols, Acc c, Acc& m, Acc& l) {
 #if FUSEDATTN_X86_KERNELS
-  if constexpr (cpu::is_x86_set_v<Arch>)  // the same two passes on 16 lanes, compiled for AVX-512
-    return online_softmax_step(s, cols, c, m, l, cpu::x86::row_max, cpu::x86::exp2_row_sum);
+  if constexpr (cpu::is_x86_set_v<Arch>)  // the same two passes on 16 lanes, compiled for AVX-512; the bf16-pair
+    return online_softmax_step(s, cols, c, m, l, cpu::x86::row_max,  // sets round P to bf16: the short exp2
+                               cpu::x86::exp2_row_sum<cpu::packs_bf16_pairs_v<Arch>>);
 #endif
   using V = cpu::simd<Acc, Arch>;
   using vec = typename V::type;
