@@ -167,8 +167,8 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
   os << "\nRoofline (AI = FLOP per byte; 'min' = compulsory bytes Q,K,V,O once; 'model' = the kernel's modelled "
         "traffic,\n  a model of DRAM traffic without caches, not a measurement (profiler counters measure it: "
         "docs/teaching.md);\n  rates on real time (cpu_us: the main thread's CPU time, the kernel's own work for "
-        "1-thread rows on a busy machine);\n  roof = min(peak, AI_model x bandwidth) for the row's threads; "
-        "% = achieved / roof)\n";
+        "1-thread rows on a busy machine);\n  roof = min(peak, AI_model x bandwidth) for the row's threads, peak the "
+        "bf16 dot-product peak for rows\n  on the bf16 kernels (vdpbf16ps, AMX); % = achieved / roof)\n";
   std::snprintf(line, sizeof line, "%-*s %10s %10s %8s %9s %9s %7s %8s %9s %8s %9s %6s  %s\n", static_cast<int>(w),
                 "row", "time_us", "cpu_us", "GFLOP", "MB_min", "MB_model", "AI_min", "AI_model", "GFLOP/s", "GB/s",
                 "roof_GF/s", "%roof", "bound");
@@ -185,10 +185,13 @@ void print_roofline(std::ostream& os, const std::vector<run>& runs, const ceilin
     const ceiling* ce = c.find(threads);
     std::string roof = "-", frac = "-", bound = "-";
     if (ce && flop > 0) {
-      const double att = cost::attainable(ai, ce->peak_flops, ce->bandwidth);
+      // A row on the bf16 dot-product kernels against the bf16 peak (where measured), every other against the FMA's.
+      const double peak =
+          counter(*r.r, "bf16_dot") > 0 && ce->bf16_peak_flops > 0 ? ce->bf16_peak_flops : ce->peak_flops;
+      const double att = cost::attainable(ai, peak, ce->bandwidth);
       roof = fmt("%.1f", att / giga);
       frac = fmt("%.1f", 100.0 * gflops * giga / att);
-      bound = ai * ce->bandwidth < ce->peak_flops ? "memory" : "compute";
+      bound = ai * ce->bandwidth < peak ? "memory" : "compute";
     }
     std::snprintf(line, sizeof line, "%-*s %10.1f %10.1f %8.3f %9.2f %9.2f %7.1f %8.2f %9.2f %8.2f %9s %6s  %s\n",
                   static_cast<int>(w), r.name.c_str(), r.time * mega, r.cpu_time * mega, flop / giga, bytes_min / mega, bytes / mega,

@@ -148,13 +148,16 @@ void attention_row(benchmark::State& state, row_spec r) {
              v = bhsd<const T>(x.v.data(), p.kv_dims());
   const auto o = bhsd(x.o.data(), p.o_dims());
   // The kernel this group of rows runs (fa::plan), once per kernel and storage type, on stderr.
+  const kernel_plan pl = std::visit([&](const auto& m) { return fusedattn::plan(pol, p, q, k, v, o, m); }, mask);
   static bool plan_printed = false;
   if (!plan_printed) {
     plan_printed = true;
-    const kernel_plan pl = std::visit([&](const auto& m) { return fusedattn::plan(pol, p, q, k, v, o, m); }, mask);
     std::fprintf(stderr, "plan of the %s %s rows (first: %s): %s\n", model::name, scalar_name<T>(),
                  row_label(r).c_str(), fusedattn::to_string(pl).c_str());
   }
+  // Rows on the bf16 dot-product kernels (vdpbf16ps or AMX tiles) are drawn against the bf16 peak.
+  const bool bf16_dot =
+      pl.kernel.find("<avx512bf16>") != std::string::npos || pl.kernel.find("<amx>") != std::string::npos;
   // One untimed call first: it touches the kernel's scratch and the operands once, so that a row timed by a
   // single long iteration does not time first-touch page faults.
   if (const status st = call(q, k, v, o, pol); !st) {
@@ -173,6 +176,7 @@ void attention_row(benchmark::State& state, row_spec r) {
   const double density = model::density(bound, p);
   set_counters(state, p, r.threads, density, cost::flops(p, density), model::template bytes<T>(p, bound),
                cost::compulsory_bytes(p, sizeof(T)));
+  state.counters["bf16_dot"] = bf16_dot ? 1 : 0;
   state.SetLabel(row_label(r));
 }
 
