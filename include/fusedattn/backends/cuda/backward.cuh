@@ -274,10 +274,122 @@ __global__ void __launch_bounds__(256) backward_sink_kernel(const backward_param
   if (threadIdx.x == 0) mods.sink_grad[h] = 0.f - red[0];
 }
 
+/// The element-wise steps of the dK/dV kernels (mma.sync and wgmma) on a transposed score tile Sᵀ: this thread's
+/// keys k0 + kw + g + 8r (e / 2 = r; kw: the warp's first key in the block's tile) and rows q0 + 8n + 2t + (e & 1) (the m16n8 accumulator layout). With `Mods` the
+/// score modifiers rewrite Sᵀ and `cg` gets softcap's chain-rule factor; where `partial`, entries the mask forbids
+/// become −inf; then Pᵀ = 2^(scale·log2e·Sᵀ − lse·log2e) in place (`lse_t`: the q tile's lse·log2e, +inf for a row
+/// without keys: P = 0), packed to `pk` (the A fragments of dV += Pᵀ·dO).
+template <class E, class Mask, bool Mods, int BM>
+__device__ __forceinline__ void transposed_probs(float (&s)[BM / 8][4], float (&cg)[BM / 8][4],
+                                                 std::uint32_t (&pk)[BM / 8][2], const backward_params_t<Mask>& p,
+                                                 const Mask& mask, int h, int q0, int k0, int kw, bool partial,
+                                                 const float* lse_t, int g, int t) {
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
+  if constexpr (Mods) {
+    const backward_mods bm(make_tile_mods<true>(mask, h, p.scale_log2));
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        cg[n][e] = bm.apply(s[n][e], q0 + n * 8 + 2 * t + (e & 1), k0 + kw + g + 8 * (e / 2));
+  }
+  if (partial) {
+    const band32 rule = element_rule(mask);
+    bool listed[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) listed[r] = key_listed(mask, q0, k0 + kw + g + 8 * r);
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = q0 + n * 8 + 2 * t + (e & 1), j = k0 + kw + g + 8 * (e / 2);
+        if (!(rule.allowed(i, j) && (band || listed[e / 2]))) s[n][e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int n = 0; n < BM / 8; ++n) {
+    const float l0 = lse_t[n * 8 + 2 * t], l1 = lse_t[n * 8 + 2 * t + 1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -l0));
+      s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -l1));
+      pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
+    }
+  }
+}
+
+/// dSᵀ = Pᵀ∘(dPᵀ − δ) (times softcap's factor `cg` with `Mods`) on the layout of transposed_probs, packed to `pd`
+/// (the A fragments of dK += dSᵀ·Q); `delta_t`: the q tile's δ.
+template <class E, bool Mods, int BM>
+__device__ __forceinline__ void transposed_dscores(const float (&s)[BM / 8][4], const float (&dp)[BM / 8][4],
+                                                   const float (&cg)[BM / 8][4], const float* delta_t,
+                                                   std::uint32_t (&pd)[BM / 8][2], int t) {
+#pragma unroll
+  for (int n = 0; n < BM / 8; ++n) {
+    const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x0 = s[n][2 * r] * (dp[n][2 * r] - d0), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1);
+      if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+      pd[n][r] = mma_type<E>::pack(x0, x1);
+    }
+  }
+}
+
+/// The element-wise steps of the dQ kernels (mma.sync and wgmma) on a score tile S of the warp's rows [w0, w1)
+/// (this thread's rows w0 + g + 8·(e / 2), keys k0 + 8n + 2t + (e & 1)): with `Mods` the modifiers (`bm`) rewrite S
+/// and `cg` gets softcap's factor; entries the mask forbids (on tiles the rule calls partial, or past the
+/// block-sparse run [tile_begin, tile_end)) become −inf; then P = 2^(scale·log2e·S − lse·log2e) in place (`lse2`:
+/// this thread's two rows).
+template <class Mask, bool Mods, int BN>
+__device__ __forceinline__ void row_probs(float (&s)[BN / 8][4], float (&cg)[BN / 8][4],
+                                          const backward_params_t<Mask>& p, const backward_mods& bm,
+                                          const band32& rule, int w0, int w1, int k0, int tile_begin, int tile_end,
+                                          const float (&lse2)[2], int g, int t) {
+  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
+  if constexpr (Mods) {
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cg[n][e] = bm.apply(s[n][e], w0 + g + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
+  }
+  const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
+  if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = w0 + g + 8 * (e / 2), j = k0 + n * 8 + 2 * t + (e & 1);
+        bool ok = rule.allowed(i, j);
+        if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
+        if (!ok) s[n][e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+}
+
+/// dS = P∘(dP − δ) (times `cg` with `Mods`) on the layout of row_probs, packed to `pk` (the A fragments of
+/// dQ += dS·K); `dlt`: this thread's two rows' δ.
+template <class E, bool Mods, int BN>
+__device__ __forceinline__ void row_dscores(const float (&s)[BN / 8][4], const float (&dp)[BN / 8][4],
+                                            const float (&cg)[BN / 8][4], const float (&dlt)[2],
+                                            std::uint32_t (&pk)[BN / 8][2]) {
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x0 = s[n][2 * r] * (dp[n][2 * r] - dlt[r]), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]);
+      if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
+      pk[n][r] = mma_type<E>::pack(x0, x1);
+    }
+}
+
 template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
-  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
   constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sk = reinterpret_cast<E*>(smem_raw);            // [BN][D] swizzled
@@ -345,38 +457,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
     zero_acc(s);
     mma_abt<E, D, BM>(s, sk, kw, sq_t, lane);
     [[maybe_unused]] float cg[BM / 8][4];  // softcap's chain-rule factor (Mods)
-    if constexpr (Mods) {
-      const backward_mods bm(make_tile_mods<true>(mask, h, p.scale_log2));
-#pragma unroll
-      for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          cg[n][e] = bm.apply(s[n][e], q0 + n * 8 + 2 * t + (e & 1), k0 + kw + g + 8 * (e / 2));
-    }
-    if (partial) {
-      const band32 rule = element_rule(mask);
-      bool listed[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) listed[r] = key_listed(mask, q0, k0 + kw + g + 8 * r);
-#pragma unroll
-      for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = q0 + n * 8 + 2 * t + (e & 1), j = k0 + kw + g + 8 * (e / 2);
-          if (!(rule.allowed(i, j) && (band || listed[e / 2]))) s[n][e] = -INFINITY;
-        }
-    }
     std::uint32_t pk[BM / 8][2];
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-      const float l0 = lse_t[n * 8 + 2 * t], l1 = lse_t[n * 8 + 2 * t + 1];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -l0));
-        s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -l1));
-        pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
-      }
-    }
+    transposed_probs<E, Mask, Mods, BM>(s, cg, pk, p, mask, h, q0, k0, kw, partial, lse_t, g, t);
     // dV (16 keys × D) += Pᵀ·dO.
     mma_packed_b<E, D, BM>(dv, pk, sdo_t, lane);
     // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ∘(dPᵀ − δ), packed over Pᵀ's fragments.
@@ -384,16 +466,7 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
       float dp[BM / 8][4];
       zero_acc(dp);
       mma_abt<E, D, BM>(dp, sv, kw, sdo_t, lane);
-#pragma unroll
-      for (int n = 0; n < BM / 8; ++n) {
-        const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float x0 = s[n][2 * r] * (dp[n][2 * r] - d0), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1);
-          if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
-          pk[n][r] = mma_type<E>::pack(x0, x1);
-        }
-      }
+      transposed_dscores<E, Mods, BM>(s, dp, cg, delta_t, pk, t);
     }
     // dK (16 keys × D) += dSᵀ·Q.
     mma_packed_b<E, D, BM>(dk, pk, sq_t, lane);
@@ -413,7 +486,6 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
 template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_q, BN = Tile::block_kv;
-  constexpr bool band = mask_traits<Mask>::one_segment;  // one key segment, no listed blocks
   constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled
@@ -482,28 +554,7 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
     zero_acc(s);
     mma_abt<E, D, BN>(s, sq, wr, sk_t, lane);
     [[maybe_unused]] float cg[BN / 8][4];  // softcap's chain-rule factor (Mods)
-    if constexpr (Mods) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cg[n][e] = bm.apply(s[n][e], w0 + g + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
-    }
-    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
-    if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = w0 + g + 8 * (e / 2), j = k0 + n * 8 + 2 * t + (e & 1);
-          bool ok = rule.allowed(i, j);
-          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
-          if (!ok) s[n][e] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+    row_probs<Mask, Mods, BN>(s, cg, p, bm, rule, w0, w1, k0, tile_begin, tile_end, lse2, g, t);
 
     // dP = dO·Vᵀ; dS = P∘(dP − δ), packed; dQ += dS·K.
     std::uint32_t pk[BN / 8][2];
@@ -511,14 +562,7 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
       float dp[BN / 8][4];
       zero_acc(dp);
       mma_abt<E, D, BN>(dp, sdo, wr, sv_t, lane);
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float x0 = s[n][2 * r] * (dp[n][2 * r] - dlt[r]), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]);
-          if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
-          pk[n][r] = mma_type<E>::pack(x0, x1);
-        }
+      row_dscores<E, Mods, BN>(s, dp, cg, dlt, pk);
     }
     mma_packed_b<E, D, BN>(dq, pk, sk_t, lane);
     cp_async_wait<0>();

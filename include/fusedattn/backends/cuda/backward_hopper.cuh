@@ -88,7 +88,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dkdv_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
-  constexpr bool band = mask_traits<Mask>::one_segment;
   constexpr float log2e = float(fusedattn::log2e);
   constexpr std::uint32_t atom = Tile::atom_bytes;
   extern __shared__ unsigned char smem_raw[];
@@ -172,38 +171,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     wgmma_wait<1>();
     fence_operands(s);
     [[maybe_unused]] float cg[BM / 8][4];  // softcap's chain-rule factor (Mods)
-    if constexpr (Mods) {
-      const backward_mods bm(make_tile_mods<true>(mask, h, p.scale_log2));
-#pragma unroll
-      for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          cg[n][e] = bm.apply(s[n][e], q0 + n * 8 + 2 * t + (e & 1), k0 + kw + g + 8 * (e / 2));
-    }
-    if (partial) {
-      const band32 rule = element_rule(mask);
-      bool listed[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) listed[r] = key_listed(mask, q0, k0 + kw + g + 8 * r);
-#pragma unroll
-      for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = q0 + n * 8 + 2 * t + (e & 1), j = k0 + kw + g + 8 * (e / 2);
-          if (!(rule.allowed(i, j) && (band || listed[e / 2]))) s[n][e] = -INFINITY;
-        }
-    }
     std::uint32_t pk[BM / 8][2];
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-      const float l0 = lse_t[n * 8 + 2 * t], l1 = lse_t[n * 8 + 2 * t + 1];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], p.scale_log2, -l0));
-        s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], p.scale_log2, -l1));
-        pk[n][r] = mma_type<E>::pack(s[n][2 * r], s[n][2 * r + 1]);
-      }
-    }
+    transposed_probs<E, Mask, Mods, BM>(s, cg, pk, p, mask, h, q0, k0, kw, partial, lse_t, g, t);
     // dV (64 keys × D) += Pᵀ·dO.
     fence_fragments(pk);
     wgmma_fence();
@@ -212,16 +181,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     wgmma_wait<1>();  // dPᵀ is ready
     fence_operands(dp);
     std::uint32_t pd[BM / 8][2];
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-      const float d0 = delta_t[n * 8 + 2 * t], d1 = delta_t[n * 8 + 2 * t + 1];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float x0 = s[n][2 * r] * (dp[n][2 * r] - d0), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - d1);
-        if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
-        pd[n][r] = mma_type<E>::pack(x0, x1);
-      }
-    }
+    transposed_dscores<E, Mods, BM>(s, dp, cg, delta_t, pd, t);
     // dK (64 keys × D) += dSᵀ·Q.
     fence_fragments(pd);
     wgmma_fence();
@@ -253,7 +213,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dq_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::dq_rows, BN = Tile::dq_keys;
-  constexpr bool band = mask_traits<Mask>::one_segment;
   constexpr float log2e = float(fusedattn::log2e);
   constexpr std::uint32_t atom = Tile::atom_bytes;
   extern __shared__ unsigned char smem_raw[];
@@ -337,41 +296,13 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     wgmma_wait<1>();
     fence_operands(s);
     [[maybe_unused]] float cg[BN / 8][4];  // softcap's chain-rule factor (Mods)
-    if constexpr (Mods) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cg[n][e] = bm.apply(s[n][e], w0 + g + 8 * (e / 2), k0 + n * 8 + 2 * t + (e & 1));
-    }
-    const bool past_edge = !band && (k0 < tile_begin || k0 + BN > tile_end);
-    if (w0 < w1 && (past_edge || rule.is_partial(w0, w1, k0, k0 + BN))) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = w0 + g + 8 * (e / 2), j = k0 + n * 8 + 2 * t + (e & 1);
-          bool ok = rule.allowed(i, j);
-          if constexpr (!band) ok = ok && j >= tile_begin && j < tile_end;
-          if (!ok) s[n][e] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+    row_probs<Mask, Mods, BN>(s, cg, p, bm, rule, w0, w1, k0, tile_begin, tile_end, lse2, g, t);
 
     // dS = P∘(dP − δ), packed; dQ += dS·K.
     wgmma_wait<0>();
     fence_operands(dp);
     std::uint32_t pk[BN / 8][2];
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float x0 = s[n][2 * r] * (dp[n][2 * r] - dlt[r]), x1 = s[n][2 * r + 1] * (dp[n][2 * r + 1] - dlt[r]);
-        if constexpr (Mods) x0 *= cg[n][2 * r], x1 *= cg[n][2 * r + 1];
-        pk[n][r] = mma_type<E>::pack(x0, x1);
-      }
+    row_dscores<E, Mods, BN>(s, dp, cg, dlt, pk);
     fence_fragments(pk);
     wgmma_fence();
     issue_packed<E, D, BN>(dq, pk, desc_plus(k_desc_n, off));
