@@ -186,15 +186,16 @@ struct exec_for<policy::cpu_naive> {
   static type make(const policy::cpu_naive& p) { return host_exec(p.threads); }
 };
 
-/// The policy of each block's attend call: policy::cuda's run beside the ring's transfers (policy::cuda::concurrent),
-/// every other policy's as given.
+/// The policy of a ring step's attend calls: policy::cuda's runs beside the step's transfer, when there is one
+/// (`beside_transfer`), with policy::cuda::concurrent (one block per work item, so the transfer's blocks get SMs as
+/// the items finish); the last step, which has no transfer, keeps the persistent grid. Every other policy as given.
 template <class Policy>
-Policy step_policy(const Policy& pol) {
+Policy step_policy(const Policy& pol, bool /*beside_transfer*/) {
   return pol;
 }
-inline policy::cuda step_policy(const policy::cuda& pol) {
+inline policy::cuda step_policy(const policy::cuda& pol, bool beside_transfer) {
   policy::cuda step = pol;
-  step.concurrent = true;
+  step.concurrent = step.concurrent || beside_transfer;
   return step;
 }
 
@@ -462,9 +463,8 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
   keep(ex.fill(part_lses, index_t(part_count) * lp.lse_size(), -std::numeric_limits<float>::infinity()));
 
   // One block against the K/V in hand (views of every key row in hand), into part `pi`'s rows [q0, q0 + nq).
-  const Policy step_pol = step_policy(pol);
-  auto block = [&](const block_span& bs, const tensor_ref<const T>& kh, const tensor_ref<const T>& vh,
-                   int pi) -> status {
+  auto block = [&](const block_span& bs, const tensor_ref<const T>& kh, const tensor_ref<const T>& vh, int pi,
+                   const Policy& step_pol) -> status {
     problem bp = g;
     bp.seq_q = bs.nq;
     bp.seq_kv = bs.nk;
@@ -507,9 +507,12 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
         if (two)
           if (status s = link.start(v.data, buf[1 - cur] + kv_elems, bytes, req_v); !s) return s;
       }
+      // The policy follows the real schedule (a transfer beside every step but the last) also when the
+      // transfers are switched off for measuring.
+      const Policy step_pol = step_policy(pol, i + 1 < n);
       if (st && opt.parts.compute)
         for (const block_span& bs : ring_blocks(r, (r - i + n) % n, lq, lkv, is_causal, opt.layout))
-          compute(block(bs, kh, vh, i));
+          compute(block(bs, kh, vh, i, step_pol));
       if (moving) {
         if (status s = link.finish(req); !s) return s;
         if (two)
@@ -523,12 +526,11 @@ status run(Comm& comm, Exec& ex, const Policy& pol, const problem& g, const tens
     if (status s = gather_kv(link, st, g, k, v, all, gk, gv, opt); !s) return s;
     if (st && opt.parts.compute)
       for (const block_span& bs : gathered_blocks(g, n, r, is_causal, opt.layout))
-        compute(block(bs, bhsd<const T>(gk, g.kv_dims()), bhsd<const T>(gv, g.kv_dims()), 0));
+        compute(block(bs, bhsd<const T>(gk, g.kv_dims()), bhsd<const T>(gv, g.kv_dims()), 0, step_policy(pol, false)));
   }
-  if (st) {
-    const status synced = ex.synchronize();
-    st = synced;
-  }
+  // The agreement needs what every rank enqueued to have been accepted, not to have finished: its round trip runs
+  // while the last step computes, and the merge queues behind it. (A kernel that faults while running leaves the
+  // device unusable, so the merge cannot run after it; the synchronisation below reports the fault.)
   if (status s = agree(comm, st, fp); !s) return s;
   // Every rank succeeded: the parts, merged, are the outputs.
   if (status s = ex.merge_parts(static_cast<const T*>(parts), part_lses, part_count, o, lse); !s) return s;

@@ -213,10 +213,7 @@ status run_backward(Comm& comm, Exec& ex, const Policy& pol, const problem& g, c
       home = cur;
     }
   }
-  if (st) {
-    const status synced = ex.synchronize();
-    st = synced;
-  }
+  // As in dist::attend: the agreement's round trip runs while the last step computes; the copies queue behind it.
   if (status s = agree(comm, st, fp, who); !s) return s;
   // Every rank succeeded: write the gradients.
   const tensor_ref<const acc_t> dk_sum = bhsd<const acc_t>(dkv[home], lp.kv_dims());

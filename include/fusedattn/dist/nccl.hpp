@@ -31,6 +31,7 @@ class nccl_comm {
   nccl_comm& operator=(const nccl_comm&) = delete;
   ~nccl_comm() {
     if (reduce_buf_) cudaFree(reduce_buf_);
+    if (host_buf_) cudaFreeHost(host_buf_);
     for (cudaEvent_t e : {ready_, done_[0], done_[1]})
       if (e) cudaEventDestroy(e);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -66,20 +67,25 @@ class nccl_comm {
     return cuda("cudaStreamWaitEvent", cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r.done, 0));
   }
 
-  /// ncclAllReduce(min) through a small device buffer; blocks until the result is on the host.
+  /// ncclAllReduce(min) through a small device buffer, staged in pinned host memory (both copies asynchronous);
+  /// blocks until the result is on the host. On the communication stream: it runs after the transfers started
+  /// so far and beside the compute stream's work.
   status all_reduce_min(std::int64_t* values, int count) {
     if (!init_) return init_;
     if (count > max_reduce) return status::invalid("all_reduce_min: count is " + std::to_string(count) + "; at most 8");
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(std::int64_t);
-    if (status st = cuda("cudaMemcpyAsync", cudaMemcpyAsync(reduce_buf_, values, bytes, cudaMemcpyHostToDevice, comm_stream_)); !st)
+    for (int i = 0; i < count; ++i) host_buf_[i] = values[i];
+    if (status st = cuda("cudaMemcpyAsync", cudaMemcpyAsync(reduce_buf_, host_buf_, bytes, cudaMemcpyHostToDevice, comm_stream_)); !st)
       return st;
     if (status st = nccl("ncclAllReduce", ncclAllReduce(reduce_buf_, reduce_buf_, static_cast<std::size_t>(count),
                                                         ncclInt64, ncclMin, comm_, comm_stream_));
         !st)
       return st;
-    if (status st = cuda("cudaMemcpyAsync", cudaMemcpyAsync(values, reduce_buf_, bytes, cudaMemcpyDeviceToHost, comm_stream_)); !st)
+    if (status st = cuda("cudaMemcpyAsync", cudaMemcpyAsync(host_buf_, reduce_buf_, bytes, cudaMemcpyDeviceToHost, comm_stream_)); !st)
       return st;
-    return cuda("cudaStreamSynchronize", cudaStreamSynchronize(comm_stream_));
+    if (status st = cuda("cudaStreamSynchronize", cudaStreamSynchronize(comm_stream_)); !st) return st;
+    for (int i = 0; i < count; ++i) values[i] = host_buf_[i];
+    return {};
   }
 
  private:
@@ -104,6 +110,8 @@ class nccl_comm {
     void* buf = nullptr;
     if (status st = cuda("cudaMalloc", cudaMalloc(&buf, max_reduce * sizeof(std::int64_t))); !st) return st;
     reduce_buf_ = static_cast<std::int64_t*>(buf);
+    if (status st = cuda("cudaMallocHost", cudaMallocHost(&buf, max_reduce * sizeof(std::int64_t))); !st) return st;
+    host_buf_ = static_cast<std::int64_t*>(buf);
     return {};
   }
 
@@ -124,6 +132,7 @@ class nccl_comm {
   cudaEvent_t done_[2] = {nullptr, nullptr};
   int next_ = 0;
   std::int64_t* reduce_buf_ = nullptr;
+  std::int64_t* host_buf_ = nullptr;  // pinned staging of all_reduce_min's values
   status init_;  // last: its initialiser, set_up(), writes the members above
 };
 
