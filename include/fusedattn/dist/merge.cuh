@@ -48,58 +48,18 @@ __global__ void merge_rows_kernel(tensor_ref<const EA> a, lse_ref<const float> l
   if (lane == 0) lo.row(bb, h)[i] = static_cast<float>(w.lse);
 }
 
-/// Columns a lane of merge_parts_kernel holds at once: 8 × 32 covers head_dim 256 in one sweep over the parts.
-constexpr int merge_parts_cols = 8;
-
-/// One warp per row: the union of `count` parts (part p's row at parts + p · elems + row · d, its lse at
-/// lses[p · rows + row]) into o and, when not null, lse. Every lane forms merged_lse and the weights alike; lanes
-/// hold columns lane, lane + 32, ... of up to merge_parts_cols · 32 columns, summed over the parts in W.
-template <class EP, class EO, class W>
-__global__ void merge_parts_kernel(const EP* parts, const float* lses, int count, tensor_ref<EO> o, float* lse) {
-  using cuda_backend::narrow;
-  using cuda_backend::widen;
-  const index_t row = index_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const dims4 d = o.dims;
-  const index_t rows = d.b * d.h * d.s, elems = rows * d.d;
-  if (row >= rows) return;
-  const index_t i = row % d.s, h = row / d.s % d.h, b = row / d.s / d.h;
-  const W neg_inf = -std::numeric_limits<W>::infinity();
-  const W l = merged_lse<W>(lses + row, rows, count);
-  EO* out = o.row(b, h, i);
-  for (index_t c0 = 0; c0 < d.d; c0 += 32 * merge_parts_cols) {
-    W x[merge_parts_cols] = {};
-    for (int p = 0; p < count && l != neg_inf; ++p) {
-      const W lp = static_cast<W>(lses[p * rows + row]);
-      if (lp == neg_inf) continue;  // saw no key: O not read
-      const W w = exp(lp - l);
-      const EP* a = parts + p * elems + row * d.d;
-#pragma unroll
-      for (int j = 0; j < merge_parts_cols; ++j) {
-        const index_t c = c0 + lane + 32 * j;
-        if (c < d.d) x[j] += w * static_cast<W>(widen(a[c]));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < merge_parts_cols; ++j) {
-      const index_t c = c0 + lane + 32 * j;
-      if (c < d.d) out[c] = narrow<EO>(x[j]);
-    }
-  }
-  if (lse != nullptr && lane == 0) lse[row] = static_cast<float>(l);
-}
-
-/// merge_parts_kernel by 16-byte vectors, for parts and outputs of one element size whose rows are contiguous and
-/// 16-byte aligned: a thread per V columns of a row (head_dim 128 in bf16: 16 threads a row), each forming the row's
-/// merged_lse and weights as merge_parts_kernel does and summing the parts in the same order (the same results,
-/// bit for bit).
+/// The union of `count` parts (part p's row at parts + p · elems + row · d, its lse at lses[p · rows + row]) into o
+/// and, when not null, lse: one thread per V consecutive columns of a row. V is 16 bytes of elements when parts and
+/// outputs have one element size, rows are 16-byte aligned and head_dim is a multiple of V (head_dim 128 in bf16: 16
+/// threads a row), else 1. Every thread forms the row's merged_lse and weights alike and sums the parts in the same
+/// order, so the results do not depend on V.
 template <class EP, class EO, class W, int V>
-__global__ void merge_parts_vec_kernel(const EP* parts, const float* lses, int count, tensor_ref<EO> o, float* lse) {
-  static_assert(sizeof(EP) == sizeof(EO) && V * sizeof(EP) == 16, "one 16-byte vector in, one out");
-  struct alignas(16) in_vec {
+__global__ void merge_parts_kernel(const EP* parts, const float* lses, int count, tensor_ref<EO> o, float* lse) {
+  static_assert(V == 1 || (sizeof(EP) == sizeof(EO) && V * sizeof(EP) == 16), "one 16-byte vector in, one out");
+  struct alignas(V * sizeof(EP)) in_vec {
     EP at[V];
   };
-  struct alignas(16) out_vec {
+  struct alignas(V * sizeof(EO)) out_vec {
     EO at[V];
   };
   using cuda_backend::narrow;
@@ -182,26 +142,24 @@ status merge_parts(const P* parts, const float* lses, int count, const tensor_re
                    cudaStream_t stream) {
   const index_t rows = o.dims.b * o.dims.h * o.dims.s;
   if (rows == 0) return {};
-  constexpr int threads = 256;
-  const index_t blocks = (rows + threads / 32 - 1) / (threads / 32);
   using W = std::conditional_t<std::is_same_v<P, double> || std::is_same_v<TO, double>, double, float>;
   using EP = cuda_backend::device_t<P>;
   using EO = cuda_backend::device_t<TO>;
+  const auto launch = [&](auto width) {
+    constexpr int V = decltype(width)::value, threads = 256;
+    const index_t blocks = (rows * (o.dims.d / V) + threads - 1) / threads;
+    merge_parts_kernel<EP, EO, W, V><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        reinterpret_cast<const EP*>(parts), lses, count, to_device_type(o), lse);
+    return cuda_backend::last_launch("fusedattn::dist merge_parts");
+  };
   if constexpr (sizeof(EP) == sizeof(EO)) {
     constexpr int V = 16 / int(sizeof(EP));
     const auto aligned = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
     const strides4 os = o.stride;
-    if (o.dims.d % V == 0 && os.d == 1 && os.s % V == 0 && os.h % V == 0 && os.b % V == 0 && aligned(o.data) &&
-        aligned(parts)) {
-      const index_t vec_blocks = (rows * (o.dims.d / V) + threads - 1) / threads;
-      merge_parts_vec_kernel<EP, EO, W, V><<<static_cast<unsigned>(vec_blocks), threads, 0, stream>>>(
-          reinterpret_cast<const EP*>(parts), lses, count, to_device_type(o), lse);
-      return cuda_backend::last_launch("fusedattn::dist merge_parts");
-    }
+    if (o.dims.d % V == 0 && os.s % V == 0 && os.h % V == 0 && os.b % V == 0 && aligned(o.data) && aligned(parts))
+      return launch(std::integral_constant<int, V>{});
   }
-  merge_parts_kernel<EP, EO, W><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      reinterpret_cast<const EP*>(parts), lses, count, to_device_type(o), lse);
-  return cuda_backend::last_launch("fusedattn::dist merge_parts");
+  return launch(std::integral_constant<int, 1>{});
 }
 
 }  // namespace detail

@@ -190,17 +190,17 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, index_t stride_s,
 /// a tile with modifiers is rewritten in place to
 ///   S' = apply(scale·S, h, i, j) / scale = cap_out·tanh(S·cap_in) − slope·|j − i − offset|,
 ///   cap_in = scale / cap, cap_out = cap / scale, slope = slope_h / scale (offset: bound_mods::alibi_offset),
-/// and the softmax runs unchanged. tanh(x) = 1 − 2 / (2^(2·log2e·x) + 1) (absolute error about 2^-21; ±inf give
-/// ±1, NaN stays NaN). apply() takes 2^y on the special-function unit; apply_tile, the flash kernels' path, takes it
-/// on the FMA pipe (exp2_fma) so the unit the softmax's own exponentials run on does one more op a score (the
-/// reciprocal), not two, and forms ALiBi's |j − i − offset| from one conversion a tile plus constants (exact: integers
-/// below 2^24). The sink, in base 2 (−inf when off), joins the epilogue only (add_sink). Built only in the kernels'
-/// instantiation for calls with modifiers (`Mods`).
+/// and the softmax runs unchanged. tanh(x) = 1 − 2 / (2^(2·log2e·x) + 1), both steps on the special-function unit
+/// (ex2.approx and rcp.approx: absolute error about 2^-21; ±inf give ±1, NaN stays NaN): five instructions a score,
+/// which costs less than taking 2^y on the FMA pipe (docs/design.md, rejected designs). ALiBi's |j − i − offset| is
+/// one conversion a tile plus constants (exact: integers below 2^24). The sink, in base 2 (−inf when off), joins the
+/// epilogue only (add_sink). Built only in the kernels' instantiation for calls with modifiers (`Mods`).
 struct tile_mods {
-  float cap_in2 = 0.f;  ///< 2·log2e·scale / cap; 0: no softcap
-  float cap_out = 0.f;  ///< cap / scale
-  float slope = 0.f;    ///< slope_h / scale
-  float offset = 0.f;   ///< bound_mods::alibi_offset
+  float cap_in2 = 0.f;   ///< 2·log2e·scale / cap; 0: no softcap
+  float cap_out = 0.f;   ///< cap / scale
+  float cap_neg2 = 0.f;  ///< −2·cap / scale
+  float slope = 0.f;     ///< slope_h / scale
+  float offset = 0.f;    ///< bound_mods::alibi_offset
   float sink2 = -INFINITY;  ///< sink_h · log2e, or −inf
   bool capped = false, biased = false;
   tile_mods() = default;
@@ -209,13 +209,19 @@ struct tile_mods {
     const float scale = scale_log2 / log2e;
     capped = m.softcap != 0.f;
     biased = m.alibi_slopes != nullptr;
-    if (capped) cap_in2 = 2.f * scale_log2 / m.softcap, cap_out = m.softcap / scale;
+    if (capped) cap_in2 = 2.f * scale_log2 / m.softcap, cap_out = m.softcap / scale, cap_neg2 = -2.f * cap_out;
     if (biased) slope = m.alibi_slopes[h] / scale, offset = float(m.alibi_offset);
     sink2 = m.sink<float>(h) * log2e;
   }
+  /// cap_out·tanh(s·cap_in) = cap_out − 2·cap_out / (2^(s·cap_in2) + 1).
+  __device__ __forceinline__ float cap_score(float s) const {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(s * cap_in2) + 1.f));
+    return fmaf(cap_neg2, r, cap_out);
+  }
   /// S' of the raw score s of row i, key j.
   __device__ __forceinline__ float apply(float s, int i, int j) const {
-    if (capped) s = cap_out * (1.f - __fdividef(2.f, fast_exp2(s * cap_in2) + 1.f));
+    if (capped) s = cap_score(s);
     if (biased) s -= slope * fabsf(float(j - i) - offset);
     return s;
   }
@@ -227,8 +233,7 @@ struct tile_mods {
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[n][e] = cap_out * (1.f - __fdividef(2.f, exp2_fma(s[n][e] * cap_in2) + 1.f));
+        for (int e = 0; e < 4; ++e) s[n][e] = cap_score(s[n][e]);
     }
     if (biased) {
       const float d0 = float(k0 + 2 * t - row) - offset;  // j − i − offset of element s[0][0]
@@ -237,26 +242,6 @@ struct tile_mods {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] -= slope * fabsf(d0 + float(8 * n + (e & 1) - 8 * (e / 2)));
     }
-  }
-  /// 2^y on the FMA pipe: y clamped to [−64, 64] (NaN kept), rounded to n + f with |f| ≤ 1/2 by the 1.5·2^23
-  /// addition, 2^f by its Taylor polynomial of degree 6 (relative error below 2^-22), n added to the exponent bits.
-  static __device__ __forceinline__ float exp2_fma(float y) {
-#if __CUDA_ARCH__ >= 800
-    asm("max.NaN.f32 %0, %0, 0fC2800000;\n\tmin.NaN.f32 %0, %0, 0f42800000;" : "+f"(y));  // ±64
-#else
-    y = y != y ? y : fminf(fmaxf(y, -64.f), 64.f);
-#endif
-    constexpr float shifter = 12582912.f;  // 1.5·2^23: y + shifter rounds y to an integer in the low bits
-    const float r = y + shifter;
-    const float f = y - (r - shifter);
-    float p = 1.5403530393e-4f;  // ln2^k / k!, k = 6 … 1
-    p = fmaf(p, f, 1.3333558146e-3f);
-    p = fmaf(p, f, 9.6181291076e-3f);
-    p = fmaf(p, f, 5.5504108664e-2f);
-    p = fmaf(p, f, 2.4022650696e-1f);
-    p = fmaf(p, f, 6.9314718056e-1f);
-    p = fmaf(p, f, 1.f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
   }
 };
 
