@@ -35,6 +35,8 @@ namespace fb = fusedattn::bench;
 namespace fusedattn::bench {
 /// The decode rows over a long KV cache, contiguous and paged (rows_decode.cpp).
 void register_decode_rows(const plan& pl);
+/// The score modifiers' rows beside the plain flash rows (rows_modifiers.cpp).
+void register_modifier_rows(const plan& pl);
 }  // namespace fusedattn::bench
 
 namespace {
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
     fb::register_peer_rows(r);
   }
   fb::register_bf16_flash_rows(pl);
+  fb::register_modifier_rows(pl);
   fb::register_backward_rows(pl);
   fb::register_decode_rows(pl);
   benchmark::AddCustomContext("fusedattn_peers", fb::peer_info());
