@@ -51,8 +51,8 @@ __global__ void merge_rows_kernel(tensor_ref<const EA> a, lse_ref<const float> l
 /// The union of `count` parts (part p's row at parts + p · elems + row · d, its lse at lses[p · rows + row]) into o
 /// and, when not null, lse: one thread per V consecutive columns of a row. V is 16 bytes of elements when parts and
 /// outputs have one element size, rows are 16-byte aligned and head_dim is a multiple of V (head_dim 128 in bf16: 16
-/// threads a row), else 1. Every thread forms the row's merged_lse and weights alike and sums the parts in the same
-/// order, so the results do not depend on V.
+/// threads a row), else 1; o's head_dim is contiguous (attend validated it). Every thread forms the row's merged_lse
+/// and weights alike and sums the parts in the same order, so the results do not depend on V.
 template <class EP, class EO, class W, int V>
 __global__ void merge_parts_kernel(const EP* parts, const float* lses, int count, tensor_ref<EO> o, float* lse) {
   static_assert(V == 1 || (sizeof(EP) == sizeof(EO) && V * sizeof(EP) == 16), "one 16-byte vector in, one out");
