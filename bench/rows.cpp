@@ -2,6 +2,7 @@
 #include "rows.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 namespace fusedattn::bench {
 
@@ -17,18 +18,36 @@ std::string shape_name(const shape& sh) {
 
 const char* scalar_label(scalar s) { return s == scalar::f32 ? "f32" : s == scalar::f16 ? "f16" : "bf16"; }
 const char* mask_label(mask_kind m) { return m == mask_kind::dense ? "dense" : "causal"; }
+const char* score_mod_label(score_mod m) {
+  return m == score_mod::softcap ? "softcap" : m == score_mod::alibi ? "alibi" : m == score_mod::sinks ? "sinks" : "";
+}
 
 band_choice to_mask(mask_kind m) {
   if (m == mask_kind::causal) return causal{align::top_left};
   return dense{};
 }
 
+namespace {
+/// "dense", or "dense+softcap" with a modifier.
+std::string mask_and_mod(const row_spec& r) {
+  std::string m = mask_label(r.mask);
+  if (r.mod != score_mod::none) m += std::string("+") + score_mod_label(r.mod);
+  return m;
+}
+}  // namespace
+
 std::string row_name(const std::string& kernel, const row_spec& r) {
-  return kernel + "/" + scalar_label(r.type) + "/" + mask_label(r.mask) + "/" + shape_name(r.sh) +
-         "/threads:" + std::to_string(r.threads);
+  return kernel + "/" + scalar_label(r.type) + "/" + mask_and_mod(r) + "/" + shape_name(r.sh) + "/threads:" +
+         std::to_string(r.threads);
 }
 
-std::string row_label(const row_spec& r) { return std::string(scalar_label(r.type)) + " " + mask_label(r.mask); }
+std::string row_label(const row_spec& r) { return std::string(scalar_label(r.type)) + " " + mask_and_mod(r); }
+
+row_modifier::row_modifier(score_mod mod, index_t heads)
+    : mod_(mod), slopes_(static_cast<std::size_t>(heads)), logits_(static_cast<std::size_t>(heads), 1.0f) {
+  for (index_t h = 0; h < heads; ++h)
+    slopes_[static_cast<std::size_t>(h)] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(heads));
+}
 
 std::vector<shape> leaderboard_shapes() {
   return {square(1, 1, 128, 64),  square(1, 1, 512, 64),  square(1, 1, 1024, 64),   square(1, 1, 2048, 64),
@@ -46,7 +65,8 @@ std::vector<int> one_and_all(int max_threads) {
 
 bool same_row(const row_spec& a, const row_spec& b) {
   return a.sh.b == b.sh.b && a.sh.h == b.sh.h && a.sh.h_kv == b.sh.h_kv && a.sh.s_q == b.sh.s_q &&
-         a.sh.s_kv == b.sh.s_kv && a.sh.d == b.sh.d && a.type == b.type && a.mask == b.mask && a.threads == b.threads;
+         a.sh.s_kv == b.sh.s_kv && a.sh.d == b.sh.d && a.type == b.type && a.mask == b.mask && a.threads == b.threads &&
+         a.mod == b.mod;
 }
 }  // namespace
 

@@ -1,6 +1,7 @@
 /// @file rows.hpp
-/// What one bench row is (kernel, scalar type, mask, shape, threads), the default row sets, and the generic row
-/// body that times `attend` under any policy and sets the counters every row carries. Bench-only code.
+/// What one bench row is (kernel, scalar type, mask, score modifier, shape, threads), the default row sets, the
+/// timing loop every row body uses (time_calls), and the generic row body that times `attend` under any policy and
+/// sets the counters every row carries. Bench-only code.
 #pragma once
 
 #include <cstdint>
@@ -31,9 +32,13 @@ std::string shape_name(const shape& sh);
 enum class scalar { f32, f16, bf16 };
 /// Masks the bench rows use.
 enum class mask_kind { dense, causal };
+/// Score modifiers a bench row may add to its mask (the modifier rows of rows_modifiers.cpp).
+enum class score_mod { none, softcap, alibi, sinks };
 
 const char* scalar_label(scalar s);
 const char* mask_label(mask_kind m);
+/// "softcap", "alibi", "sinks" ("" for none).
+const char* score_mod_label(score_mod m);
 /// The band masks a bench row may use (block-sparse rows live in fusedattn-sparsity).
 using band_choice = std::variant<dense, causal, window>;
 /// The user-facing mask of a kind.
@@ -45,12 +50,35 @@ struct row_spec {
   scalar type = scalar::f32;
   mask_kind mask = mask_kind::dense;
   int threads = 1;
+  score_mod mod = score_mod::none;
 };
 
-/// "kernel/f32/dense/b1_h8_s512_d64/threads:1".
+/// "kernel/f32/dense/b1_h8_s512_d64/threads:1"; a row with a modifier has "dense+softcap" for its mask.
 std::string row_name(const std::string& kernel, const row_spec& r);
-/// The row label, "f16 causal".
+/// The row label, "f16 causal"; a row with a modifier has "f32 dense+softcap".
 std::string row_label(const row_spec& r);
+
+/// A row's score modifier bound to the problem's query heads: softcap cap 30, ALiBi slopes 2^(−8(h+1)/H), sink
+/// logit 1 for every head.
+class row_modifier {
+ public:
+  row_modifier(score_mod mod, index_t heads);
+  /// f(m) for a row without a modifier, else f(m | the modifier).
+  template <class Mask, class F>
+  auto apply(const Mask& m, F&& f) const {
+    switch (mod_) {
+      case score_mod::softcap: return f(m | softcap{30.0f});
+      case score_mod::alibi: return f(m | alibi{slopes_.data()});
+      case score_mod::sinks: return f(m | sinks{logits_.data()});
+      case score_mod::none: break;
+    }
+    return f(m);
+  }
+
+ private:
+  score_mod mod_;
+  std::vector<float> slopes_, logits_;
+};
 
 /// The leaderboard configurations (B, H, S, D) of the seed documents.
 std::vector<shape> leaderboard_shapes();
@@ -131,7 +159,30 @@ struct kernel_model<policy::cpu<Arch>> {
   }
 };
 
-/// The row body: times `attend(Policy, ...)` on one problem and mask (after one untimed warm-up call), real
+/// Times `call` (returning a status) over the state's iterations after one untimed call: the untimed call touches
+/// the kernel's scratch and the operands once, so that a row timed by a single long iteration does not time
+/// first-touch page faults. `out`, the calls' output, is kept from being optimised away. A failing call skips the
+/// row with the status's message: false when the untimed call failed (nothing timed, the row sets no counters);
+/// a failure inside the loop ends it and gives true, as a success does.
+template <class Call, class Out>
+bool time_calls(benchmark::State& state, Call&& call, const Out* const out) {
+  if (const status st = call(); !st) {
+    state.SkipWithError(st.what());
+    return false;
+  }
+  for (auto _ : state) {
+    const status st = call();
+    if (!st) {
+      state.SkipWithError(st.what());
+      break;
+    }
+    benchmark::DoNotOptimize(out);
+    benchmark::ClobberMemory();
+  }
+  return true;
+}
+
+/// The row body: times `attend(Policy, ...)` on one problem and mask, with the row's score modifier if any, real
 /// time, and sets the counters.
 template <class Policy, class T>
 void attention_row(benchmark::State& state, row_spec r) {
@@ -139,16 +190,18 @@ void attention_row(benchmark::State& state, row_spec r) {
   const problem p = r.sh.to_problem();
   const band_choice mask = to_mask(r.mask);
   const band_mask bound = std::visit([&](const auto& m) { return bind(m, p); }, mask);
-  const auto call = [&](const auto& q, const auto& k, const auto& v, const auto& o, const Policy& pol) {
-    return std::visit([&](const auto& m) { return attend(pol, p, q, k, v, o, m); }, mask);
-  };
+  const row_modifier mod(r.mod, p.heads);
   operands<T> x(p);
   const Policy pol = model::make(r.threads);
   const auto q = bhsd<const T>(x.q.data(), p.q_dims()), k = bhsd<const T>(x.k.data(), p.kv_dims()),
              v = bhsd<const T>(x.v.data(), p.kv_dims());
   const auto o = bhsd(x.o.data(), p.o_dims());
+  // f(the row's mask with its modifier).
+  const auto with_mask = [&](const auto& f) {
+    return std::visit([&](const auto& m) { return mod.apply(m, f); }, mask);
+  };
   // The kernel this group of rows runs (fa::plan), once per kernel and storage type, on stderr.
-  const kernel_plan pl = std::visit([&](const auto& m) { return fusedattn::plan(pol, p, q, k, v, o, m); }, mask);
+  const kernel_plan pl = with_mask([&](const auto& m) { return fusedattn::plan(pol, p, q, k, v, o, m); });
   static bool plan_printed = false;
   if (!plan_printed) {
     plan_printed = true;
@@ -158,21 +211,8 @@ void attention_row(benchmark::State& state, row_spec r) {
   // Rows on the bf16 dot-product kernels (vdpbf16ps or AMX tiles) are drawn against the bf16 peak.
   const bool bf16_dot =
       pl.kernel.find("<avx512bf16>") != std::string::npos || pl.kernel.find("<amx>") != std::string::npos;
-  // One untimed call first: it touches the kernel's scratch and the operands once, so that a row timed by a
-  // single long iteration does not time first-touch page faults.
-  if (const status st = call(q, k, v, o, pol); !st) {
-    state.SkipWithError(st.what());
-    return;
-  }
-  for (auto _ : state) {
-    const status st = call(q, k, v, o, pol);
-    if (!st) {
-      state.SkipWithError(st.what());
-      break;
-    }
-    benchmark::DoNotOptimize(x.o.data());
-    benchmark::ClobberMemory();
-  }
+  const auto call = [&] { return with_mask([&](const auto& m) { return attend(pol, p, q, k, v, o, m); }); };
+  if (!time_calls(state, call, x.o.data())) return;
   const double density = model::density(bound, p);
   set_counters(state, p, r.threads, density, cost::flops(p, density), model::template bytes<T>(p, bound),
                cost::compulsory_bytes(p, sizeof(T)));

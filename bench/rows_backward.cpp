@@ -54,20 +54,7 @@ void backward_row(benchmark::State& state, row_spec r) {
     state.SkipWithError(fwd.what());
     return;
   }
-  // One untimed call first (scratch and operands touched once).
-  if (const status st = call(); !st) {
-    state.SkipWithError(st.what());
-    return;
-  }
-  for (auto _ : state) {
-    const status st = call();
-    if (!st) {
-      state.SkipWithError(st.what());
-      break;
-    }
-    benchmark::DoNotOptimize(dq.data());
-    benchmark::ClobberMemory();
-  }
+  if (!time_calls(state, call, dq.data())) return;
   const double density = cost::density(bound, p);
   set_counters(state, p, r.threads, density, 2.5 * cost::flops(p, density), backward_bytes<T>(p, density),
                2.0 * cost::compulsory_bytes(p, sizeof(T)));

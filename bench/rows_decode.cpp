@@ -90,19 +90,7 @@ void decode_row(benchmark::State& state, decode_spec s) {
     return attend(pol, p, qv, bhsd<const KV>(k.data(), p.kv_dims()), bhsd<const KV>(v.data(), p.kv_dims()), ov,
                   causal{align::bottom_right});
   };
-  if (const status st = call(); !st) {  // untimed: first touch of scratch and operands
-    state.SkipWithError(st.what());
-    return;
-  }
-  for (auto _ : state) {
-    const status st = call();
-    if (!st) {
-      state.SkipWithError(st.what());
-      break;
-    }
-    benchmark::DoNotOptimize(o.data());
-    benchmark::ClobberMemory();
-  }
+  if (!time_calls(state, call, o.data())) return;
   const double kv_bytes = 2.0 * static_cast<double>(kv_elems) * sizeof(KV);
   set_counters(state, p, s.threads, 1.0, cost::flops(p, 1.0), kv_bytes, kv_bytes);
   state.SetLabel(std::string(type_label(s.type)) + (s.paged ? " paged" : " contig") + " decode");
