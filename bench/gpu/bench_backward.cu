@@ -1,5 +1,6 @@
 // Times attend_backward on policy::cuda (bf16; B·H = 16·16; S 1024-8192; head_dim 64 and 128; dense and causal) and
-// prints one JSON line per shape: TFLOP/s by 10·B·H·S²·D (halved for causal). `bench/peers/torch_peer.py --device
+// prints one JSON line per shape and mode: TFLOP/s by 10·B·H·S²·D (halved for causal); impl "fusedattn" is the
+// default deterministic call, "fusedattn-atomic" the same with policy::cuda::deterministic = false. `bench/peers/torch_peer.py --device
 // cuda --backward --filter _bwd/ --iters REPS` times PyTorch SDPA's backward (flash and cuDNN) on the same shapes, its
 // rows carrying these keys too. Usage: fusedattn_bench_backward [reps].
 #include <cstdio>
@@ -53,31 +54,36 @@ int main(int argc, char** argv) {
         auto in = [&](int x) { return fa::bhsd<const T>(base + x * n, p.q_dims()); };
         auto out = [&](int x) { return fa::bhsd<T>(base + x * n, p.q_dims()); };
         const fa::any_mask mask = causal ? fa::any_mask{fa::causal{}} : fa::any_mask{fa::dense{}};
-        fa::status st = fa::attend(fa::policy::cuda{}, p, in(0), in(1), in(2), out(3), mask, lse);
-        const auto backward = [&] {
-          return fa::attend_backward(fa::policy::cuda{}, p, in(0), in(1), in(2), in(3), in(4), lse, out(5), out(6),
-                                     out(7), mask);
-        };
-        for (int w = 0; w < 2 && st; ++w) st = backward();
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        cudaEventRecord(e0);
-        for (int r = 0; r < reps && st; ++r) st = backward();
-        cudaEventRecord(e1);
-        if (!check(cudaEventSynchronize(e1), "backward")) return 1;
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        ms /= float(reps);
-        const double flops = 10.0 * batch * heads * double(s) * double(s) * d * (causal ? 0.5 : 1.0);
-        if (!st) std::printf("{\"error\": \"%s\"}\n", st.what());
-        else
-          std::printf("{\"impl\": \"fusedattn\", \"dtype\": \"bf16\", \"batch\": %d, \"heads\": %d, \"seq\": %lld, "
-                      "\"head_dim\": %d, \"causal\": %s, \"ms\": %.4f, \"tflops\": %.1f}\n",
-                      batch, heads, s, d, causal ? "true" : "false", ms, flops / (ms * 1e-3) / 1e12);
-        std::fflush(stdout);
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
+        const fa::status fwd = fa::attend(fa::policy::cuda{}, p, in(0), in(1), in(2), out(3), mask, lse);
+        for (bool deterministic : {true, false}) {
+          fa::status st = fwd;
+          fa::policy::cuda pol;
+          pol.deterministic = deterministic;
+          const auto backward = [&] {
+            return fa::attend_backward(pol, p, in(0), in(1), in(2), in(3), in(4), lse, out(5), out(6), out(7), mask);
+          };
+          for (int w = 0; w < 2 && st; ++w) st = backward();
+          cudaEvent_t e0, e1;
+          cudaEventCreate(&e0);
+          cudaEventCreate(&e1);
+          cudaEventRecord(e0);
+          for (int r = 0; r < reps && st; ++r) st = backward();
+          cudaEventRecord(e1);
+          if (!check(cudaEventSynchronize(e1), "backward")) return 1;
+          float ms = 0;
+          cudaEventElapsedTime(&ms, e0, e1);
+          ms /= float(reps);
+          const double flops = 10.0 * batch * heads * double(s) * double(s) * d * (causal ? 0.5 : 1.0);
+          if (!st) std::printf("{\"error\": \"%s\"}\n", st.what());
+          else
+            std::printf("{\"impl\": \"%s\", \"dtype\": \"bf16\", \"batch\": %d, \"heads\": %d, \"seq\": %lld, "
+                        "\"head_dim\": %d, \"causal\": %s, \"ms\": %.4f, \"tflops\": %.1f}\n",
+                        deterministic ? "fusedattn" : "fusedattn-atomic", batch, heads, s, d, causal ? "true" : "false",
+                        ms, flops / (ms * 1e-3) / 1e12);
+          std::fflush(stdout);
+          cudaEventDestroy(e0);
+          cudaEventDestroy(e1);
+        }
         cudaFree(buf);
         cudaFree(lse);
       }

@@ -6,25 +6,32 @@ namespace fusedattn::testing::gpu {
 template <class T>
 status attend_backward_cuda(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
                             tensor_ref<const T> o, tensor_ref<const T> d_o, const float* lse, tensor_ref<T> dq,
-                            tensor_ref<T> dk, tensor_ref<T> dv, const any_mask& mask) {
-  return attend_backward(policy::cuda{}, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
+                            tensor_ref<T> dk, tensor_ref<T> dv, const any_mask& mask, bool deterministic) {
+  policy::cuda pol;
+  pol.deterministic = deterministic;
+  return attend_backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
 }
 
 template <class T>
 status attend_backward_cuda_mods(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k, tensor_ref<const T> v,
                                  tensor_ref<const T> o, tensor_ref<const T> d_o, const float* lse, tensor_ref<T> dq,
-                                 tensor_ref<T> dk, tensor_ref<T> dv, const modified<any_mask>& mask) {
-  return attend_backward(policy::cuda{}, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
+                                 tensor_ref<T> dk, tensor_ref<T> dv, const modified<any_mask>& mask,
+                                 bool deterministic) {
+  policy::cuda pol;
+  pol.deterministic = deterministic;
+  return attend_backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv, mask);
 }
 
 template <class T>
 status attend_backward_cuda_uploaded(const problem& p, tensor_ref<const T> q, tensor_ref<const T> k,
                                      tensor_ref<const T> v, tensor_ref<const T> o, tensor_ref<const T> d_o,
                                      const float* lse, tensor_ref<T> dq, tensor_ref<T> dk, tensor_ref<T> dv,
-                                     const block_sparse& mask) {
+                                     const block_sparse& mask, bool deterministic) {
   cuda::device_block_layout layout;
   if (status st = cuda::upload(mask.layout, layout); !st) return st;
-  const status st = attend_backward(policy::cuda{}, p, q, k, v, o, d_o, lse, dq, dk, dv,
+  policy::cuda pol;
+  pol.deterministic = deterministic;
+  const status st = attend_backward(pol, p, q, k, v, o, d_o, lse, dq, dk, dv,
                                     cuda::device_block_sparse{layout, mask.within});
   const status sync = cuda_backend::from_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return st ? sync : st;
@@ -34,15 +41,15 @@ status attend_backward_cuda_uploaded(const problem& p, tensor_ref<const T> q, te
   template status attend_backward_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,               \
                                           tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,          \
                                           const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,              \
-                                          const any_mask&);                                                        \
+                                          const any_mask&, bool);                                                        \
   template status attend_backward_cuda_mods<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,          \
                                                tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,     \
                                                const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,         \
-                                               const modified<any_mask>&);                                         \
+                                               const modified<any_mask>&, bool);                                         \
   template status attend_backward_cuda_uploaded<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,      \
                                                    tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>, \
                                                    const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,     \
-                                                   const block_sparse&);
+                                                   const block_sparse&, bool);
 FUSEDATTN_BACKWARD_ENTRY(Eigen::half)
 FUSEDATTN_BACKWARD_ENTRY(Eigen::bfloat16)
 FUSEDATTN_BACKWARD_ENTRY(float)

@@ -42,13 +42,14 @@ struct bwd_device {
   static tensor_ref<T> out(const operand<T>& x, const gpu::device_buffer<U>& d) {
     return gpu::on_device<T>(x.view, x.buf.data(), d.data());
   }
-  status run(const any_mask& mask, bool uploaded = false) {
+  status run(const any_mask& mask, bool uploaded = false, bool deterministic = true) {
     if (uploaded)
       return gpu::attend_backward_cuda_uploaded<T>(c.p, in(c.q, q), in(c.k, k), in(c.v, v), in(c.o, o),
                                                    in(c.d_o, d_o), lse.data(), out(c.dq, dq), out(c.dk, dk),
-                                                   out(c.dv, dv), std::get<block_sparse>(mask));
+                                                   out(c.dv, dv), std::get<block_sparse>(mask), deterministic);
     return gpu::attend_backward_cuda<T>(c.p, in(c.q, q), in(c.k, k), in(c.v, v), in(c.o, o), in(c.d_o, d_o),
-                                        lse.data(), out(c.dq, dq), out(c.dk, dk), out(c.dv, dv), mask);
+                                        lse.data(), out(c.dq, dq), out(c.dk, dk), out(c.dv, dv), mask,
+                                        deterministic);
   }
   void read() {
     dq.copy_to(c.dq.buf);
@@ -131,17 +132,20 @@ reference_grads plain_backward_16(const problem& p, const tensor_ref<const T>& q
   return g;
 }
 
-/// Forward on the CPU, backward on the device, gradients against the float64 closed form.
+/// Forward on the CPU, backward on the device, gradients against the float64 closed form; `deterministic` false takes
+/// the atomic-dQ path (policy::cuda::deterministic).
 template <class T>
-void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool uploaded = false) {
+void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool uploaded = false,
+                        bool deterministic = true) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   backward_case<T> c(p, l, rng);
   INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << " " << layout_name(l)
-                        << (uploaded ? " (device layout)" : "") << " seed=" << seed);
+                        << (uploaded ? " (device layout)" : "") << (deterministic ? "" : " (atomic dQ)")
+                        << " seed=" << seed);
   c.forward(mask);
   bwd_device<T> dev(c);
-  dev.launch_and_read([&] { return dev.run(mask, uploaded); });
+  dev.launch_and_read([&] { return dev.run(mask, uploaded, deterministic); });
   check_gradients(c, mask, [](const auto&... a) { return plain_backward_16(a...); });
 }
 
@@ -149,7 +153,7 @@ void check_backward_gpu(const problem& p, layout l, const any_mask& mask, bool u
 /// the oracle, on the device for the backward); dQ, dK, dV and d sink against the float64 closed form.
 template <class T>
 void check_backward_mods_gpu(const problem& p, const any_mask& mask, bool cap, bool alibi_on, align alibi_align,
-                             bool sink) {
+                             bool sink, bool deterministic = true) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   backward_case<T> c(p, layout::bhsd, rng);
@@ -173,13 +177,14 @@ void check_backward_mods_gpu(const problem& p, const any_mask& mask, bool cap, b
   const modified<any_mask> on_device = with(d_slopes.data(), d_logits.data(), d_dsink.data());
   INFO(scalar_name<T>() << " " << describe(p) << " " << describe(mask) << (cap ? " softcap" : "")
                         << (alibi_on ? (alibi_align == align::top_left ? " alibi(top_left)" : " alibi(bottom_right)") : "")
-                        << (sink ? " sinks" : "") << " seed=" << seed);
+                        << (sink ? " sinks" : "") << (deterministic ? "" : " (atomic dQ)") << " seed=" << seed);
   c.forward(on_host);
   bwd_device<T> dev(c);
   dev.launch_and_read([&] {
     return gpu::attend_backward_cuda_mods<T>(
         p, dev.in(c.q, dev.q), dev.in(c.k, dev.k), dev.in(c.v, dev.v), dev.in(c.o, dev.o), dev.in(c.d_o, dev.d_o),
-        dev.lse.data(), dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk), dev.out(c.dv, dev.dv), on_device);
+        dev.lse.data(), dev.out(c.dq, dev.dq), dev.out(c.dk, dev.dk), dev.out(c.dv, dev.dv), on_device,
+        deterministic);
   });
   d_dsink.copy_to(dsink);
   std::visit(
@@ -279,6 +284,35 @@ TEMPLATE_TEST_CASE("cuda backward with block-sparse layouts (copied per call and
   const block_layout per_head = random_layout(block_geometry{192, 200, 64, 64, 2, 4}, 0.4, fresh_seed());
   check_backward_gpu<TestType>(p2, layout::bshd, block_sparse{per_head});
   check_backward_gpu<TestType>(p2, layout::bhsd, block_sparse{per_head, causal{align::bottom_right}}, true);
+}
+
+TEMPLATE_TEST_CASE("cuda backward with atomic dQ (deterministic = false) matches the float64 gradient",
+                   "[gpu][backward][atomic]", Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  // head_dim 64 and 128 (the Hopper kernels' split over keys and over columns), tails, GQA / MQA, every mask.
+  const std::vector<problem> shapes = {{1, 2, 2, 100, 77, 64}, {2, 4, 2, 130, 200, 64}, {1, 4, 1, 65, 129, 128},
+                                       {1, 2, 1, 200, 64, 128}, {1, 3, 3, 1, 1, 64}, {1, 2, 2, 257, 257, 128}};
+  for (const problem& p : shapes)
+    for (const any_mask& mask : all_masks()) check_backward_gpu<T>(p, layout::bhsd, mask, false, false);
+  check_backward_gpu<T>(problem{2, 4, 2, 150, 130, 64}, layout::bshd, causal{align::bottom_right}, false, false);
+  check_backward_gpu<T>(problem{1, 2, 1, 90, 200, 128}, layout::padded16, window{30, 10, align::top_left}, false,
+                        false);
+  check_backward_gpu<T>(problem{1, 2, 2, 1024, 1024, 128}, layout::bhsd, causal{align::top_left}, false, false);
+  const problem pb{2, 4, 2, 192, 200, 128};
+  const block_layout per_head = random_layout(block_geometry{192, 200, 128, 64, 2, 4}, 0.4, fresh_seed());
+  check_backward_gpu<T>(pb, layout::bhsd, block_sparse{per_head, causal{align::bottom_right}}, true, false);
+  for (const problem& p : {problem{1, 4, 2, 100, 77, 64}, problem{2, 4, 1, 130, 200, 128}})
+    check_backward_mods_gpu<T>(p, causal{align::bottom_right}, true, true, align::bottom_right, true, false);
+  {  // seq_kv = 0: every row saw no key, dQ = 0 (no accumulator is made)
+    std::mt19937_64 rng(fresh_seed());
+    backward_case<T> c(problem{1, 2, 1, 40, 0, 64}, layout::bhsd, rng);
+    c.forward(dense{});
+    bwd_device<T> dev(c);
+    REQUIRE(dev.run(dense{}, false, false).ok());
+    REQUIRE(gpu::synchronize().ok());
+    dev.read();
+    for (const auto& x : c.dq.buf) CHECK(static_cast<float>(x) == 0.f);
+  }
 }
 
 TEST_CASE("cuda backward is deterministic: bitwise the same dQ, dK, dV on every run", "[gpu][backward]") {

@@ -116,7 +116,8 @@ status run_backward(const Policy&, const problem&, const tensor_ref<const T>&, c
 ///              an any_mask, with the forward's score modifiers (`mask | fa::softcap{cap} | fa::alibi{slopes} |
 ///              fa::sinks{logits, grad}`): softcap and ALiBi are recomputed; with sinks, `grad` (when not null)
 ///              receives dL/d logits, heads floats, summed over batch and rows in a fixed order.
-/// Bitwise identical results for any thread count. NaN: docs/design.md, "Numerics" (backward).
+/// Bitwise identical results for any thread count, and on every run on CUDA unless policy::cuda::deterministic is
+/// false (the Hopper kernels then add dQ by atomics). NaN: docs/design.md, "Numerics" (backward).
 /// @return ok, or errc::invalid_argument naming the bad field (nothing written), errc::unsupported for a policy
 ///         without a backward kernel or an arch this CPU lacks, errc::out_of_memory when scratch cannot be
 ///         allocated (nothing written).

@@ -16,7 +16,8 @@
 ///   3. backward_dq_kernel: one block per (q tile, head, batch), the forward's walk over the mask's key tiles (two
 ///      K/V buffers); per tile S = Q·Kᵀ, P, dP = dO·Vᵀ, dS = P∘(dP − δ), dQ += dS·K, and dQ·scale is stored once.
 /// dQ by a kernel of its own recomputes S and dP once more (7 GEMMs of the head's size instead of 5), in exchange
-/// for no f32 scratch of dQ and no ordered or atomic accumulation across kv tiles.
+/// for no f32 scratch of dQ and no ordered or atomic accumulation across kv tiles. With policy::cuda::deterministic
+/// false the Hopper path takes the other side of that trade (backward_hopper.cuh: dQ added by atomics).
 /// Score modifiers run in the kernels' second instantiation (`Mods`): the recomputed scores become S' (softcap, then
 /// the ALiBi bias, before the mask), P = 2^(scale·log2e·S' − lse·log2e) with the forward's lse (which counts the
 /// sink), and dS takes softcap's chain-rule factor 1 − tanh²; a fourth kernel, backward_sink_kernel, writes
@@ -71,7 +72,19 @@ struct backward_params_t {
   float scale_log2;  ///< softmax scale · log2(e)
   float* delta;      ///< [b][h][i] scratch: δ (backward_delta_kernel)
   Mask mask;
+  float* dq_accum;   ///< [b][h][i][c] f32 scratch of the atomic-dQ Hopper path, else nullptr
 };
+
+/// Query row i of head h, batch b, as every backward kernel reads it: lse·log2e (+inf for a row that saw no key or
+/// lies past seq_q, so that its P is 0) and δ (0 there).
+template <class Mask>
+__device__ __forceinline__ void row_lse_delta(const backward_params_t<Mask>& p, int b, int h, int i, float& lse2,
+                                              float& dlt) {
+  const index_t row = (index_t(b) * p.heads + h) * p.seq_q + i;
+  const float l = i < p.seq_q ? p.lse[row] : -INFINITY;
+  lse2 = l == -INFINITY ? INFINITY : l * float(fusedattn::log2e);
+  dlt = l == -INFINITY ? 0.f : p.delta[row];
+}
 
 /// Tile shape of the backward kernels for a tile width `HeadDim` (a multiple of 32; a narrower head_dim that is a
 /// multiple of 8 runs the next wider tile with the columns past it read as zeros and not stored). 4 warps; the
@@ -390,7 +403,6 @@ __device__ __forceinline__ void row_dscores(const float (&s)[BN / 8][4], const f
 template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
-  constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sk = reinterpret_cast<E*>(smem_raw);            // [BN][D] swizzled
   E* sv = sk + BN * D;                               // [BN][D]
@@ -418,12 +430,8 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
     load_tile<Tile, BM>(sdo + stage * BM * D,
                     static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
                     p.do_stride.s, rows, cols_ch);
-    for (int r = threadIdx.x; r < BM; r += Tile::threads) {
-      const index_t row = (index_t(b) * p.heads + h) * p.seq_q + q0 + r;
-      const float l = r < rows ? p.lse[row] : -INFINITY;
-      s_lse[stage * BM + r] = l == -INFINITY ? INFINITY : l * log2e;
-      s_delta[stage * BM + r] = l == -INFINITY ? 0.f : p.delta[row];
-    }
+    for (int r = threadIdx.x; r < BM; r += Tile::threads)
+      row_lse_delta(p, b, h, q0 + r, s_lse[stage * BM + r], s_delta[stage * BM + r]);
   };
 
   column_walk<Mask, BM> walk(p, b, h_kv, k0, k1);
@@ -486,7 +494,6 @@ __global__ void __launch_bounds__(Tile::threads) backward_dkdv_kernel(const back
 template <class E, class Tile, class Mask, bool Mods = false>
 __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backward_params_t<Mask> p) {
   constexpr int D = Tile::head_dim, BM = Tile::block_q, BN = Tile::block_kv;
-  constexpr float log2e = float(fusedattn::log2e);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   E* sq = reinterpret_cast<E*>(smem_raw);  // [BM][D] swizzled
   E* sdo = sq + BM * D;                    // [BM][D]
@@ -525,13 +532,7 @@ __global__ void __launch_bounds__(Tile::threads) backward_dq_kernel(const backwa
   // This thread's rows w0 + g and w0 + g + 8: lse·log2e (+inf for a row without keys or past seq_q: P = 0) and δ.
   float lse2[2], dlt[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = w0 + g + 8 * r;
-    const index_t row = (index_t(b) * p.heads + h) * p.seq_q + i;
-    const float l = i < p.seq_q ? p.lse[row] : -INFINITY;
-    lse2[r] = l == -INFINITY ? INFINITY : l * log2e;
-    dlt[r] = l == -INFINITY ? 0.f : p.delta[row];
-  }
+  for (int r = 0; r < 2; ++r) row_lse_delta(p, b, h, w0 + g + 8 * r, lse2[r], dlt[r]);
   cp_async_wait<0>();
   __syncthreads();
 
@@ -606,8 +607,8 @@ inline status backward_fits_mask(const block_sparse_mask& m) {
 /// (backward_hopper.cuh, included at the end of this file): `launched` false when they do not take the call (the
 /// mma.sync kernels then run), else the status of their launches. `bp.delta` is filled already.
 template <class E, class Mask>
-status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, cudaStream_t stream,
-                              bool& launched);
+status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, bool atomic_dq,
+                              cudaStream_t stream, bool& launched);
 
 /// Launches the three kernels for a validated call whose pointers are device memory and which backward_applies
 /// accepted. `mask`: band, or block-sparse with device arrays.
@@ -615,14 +616,14 @@ template <class T, class Mask>
 status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor_ref<const T>& k,
                     const tensor_ref<const T>& v, const tensor_ref<const T>& o, const tensor_ref<const T>& d_o,
                     const float* lse, const tensor_ref<T>& dq, const tensor_ref<T>& dk, const tensor_ref<T>& dv,
-                    const Mask& mask, cudaStream_t stream) {
+                    const Mask& mask, cudaStream_t stream, bool deterministic = true) {
   using E = device_t<T>;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     backward_params_t<Mask> bp{q.data, k.data, v.data, o.data, d_o.data, lse, dq.data, dk.data, dv.data,
                                q.stride, k.stride, v.stride, o.stride, d_o.stride, dq.stride, dk.stride, dv.stride,
                                int(p.batch), int(p.heads), int(p.heads_kv), int(p.group_size()), int(p.seq_q),
                                int(p.seq_kv), int(p.head_dim), static_cast<float>(p.softmax_scale()),
-                               static_cast<float>(p.softmax_scale() * log2e), nullptr, mask};
+                               static_cast<float>(p.softmax_scale() * log2e), nullptr, mask, nullptr};
     const index_t rows = p.batch * p.heads * p.seq_q;
     const bound_mods mods = mods_of(mask);
     scratch_arena arena(stream);
@@ -637,7 +638,7 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
       return last_launch("backward_sink_kernel");
     };
     bool hopper = false;
-    if (status st = launch_backward_hopper<E>(p, bp, mods.changes_scores(), stream, hopper); !st) return st;
+    if (status st = launch_backward_hopper<E>(p, bp, mods.changes_scores(), !deterministic, stream, hopper); !st) return st;
     if (hopper) return sink_grad();
     const status no_tile{errc::unsupported, "problem.head_dim: the CUDA backward kernel has no tile for it"};
     return with_backward_tile(p.head_dim, no_tile, [&](auto tile) -> status {
@@ -698,7 +699,8 @@ status backward(const policy::cuda& pol, const problem& p, const tensor_ref<cons
   if (status st = backward_applies(p, in, out); !st) return st;
   if (status st = backward_fits_mask(mask); !st) return st;
   if (p.batch == 0 || p.heads == 0) return {};
-  return run_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, mask, static_cast<cudaStream_t>(pol.stream));
+  return run_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, mask, static_cast<cudaStream_t>(pol.stream),
+                      pol.deterministic);
 }
 
 }  // namespace cuda_backend

@@ -1,7 +1,9 @@
 /// @file backward_hopper.cuh
 /// The backward pass on Hopper's warpgroup tensor cores (sm_90a: wgmma, f16/bf16 in, f32 accumulators), for
 /// head_dim 64 and 128: the same three steps as backward.cuh's mma.sync kernels (δ, then dK/dV, then dQ; no atomics,
-/// bitwise the same on every run), with each warpgroup's products issued as wgmma from swizzled shared memory.
+/// bitwise the same on every run), with each warpgroup's products issued as wgmma from swizzled shared memory. With
+/// policy::cuda::deterministic false, two steps: the dK/dV kernel also forms dQ = dS·K per q tile and adds it to an
+/// f32 accumulator by atomics (5 products instead of 7), then backward_dq_convert_kernel scales and stores dQ.
 ///   backward_dkdv_hopper_kernel: a block per (128 keys, kv head, batch), two warpgroups of 64 keys each; per q tile
 ///     of 64 rows (the column walk, Q, dO, lse and δ of the next tile copied in during the current one):
 ///       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (A and B from shared memory), Pᵀ, dV += Pᵀ·dO (Pᵀ from registers, dO N-major),
@@ -14,6 +16,7 @@
 /// accumulator layout. Included at the end of backward.cuh, which declares launch_backward_hopper.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -43,6 +46,8 @@ struct hopper_backward_tile {
   /// K, V; Q, dO twice; lse·log2e and δ twice; slack to align the start to an atom.
   static constexpr int dkdv_smem =
       (2 * block_kv + 4 * block_q) * HeadDim * 2 + 4 * block_q * int(sizeof(float)) + atom_bytes;
+  /// The atomic-dQ variant adds dSᵀ of the block's keys (BN × BM) for the dQ product.
+  static constexpr int dkdv_atomic_smem = dkdv_smem + block_kv * block_q * 2;
   /// Q, dO; K, V twice; the slack.
   static constexpr int dq_smem = (2 * dq_rows + 4 * dq_keys) * HeadDim * 2 + atom_bytes;
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward kernels take head_dim 64 and 128");
@@ -82,13 +87,56 @@ __device__ __forceinline__ void issue_packed(float (&c)[D / 8][4], std::uint32_t
   }
 }
 
-/// dK and dV of 128 keys: see the file comment.
-template <class E, class Tile, class Mask, bool Mods = false>
+/// The atomic-dQ step of the dK/dV kernel for one q tile (rows q0.., head h): this warp's dSᵀ fragments `pd` (keys
+/// kw + g + 8r, q columns 8n + 2t) go to `sds`; after the barrier that makes them visible, the warpgroup's dQ share
+/// (64 rows × 64 columns) = dS·K is issued from shared memory and added to p.dq_accum, two columns an atomic. Rows
+/// past seq_q are skipped (their dS is 0).
+template <class E, int D, int BN, int BM, bool SplitKeys, class Mask>
+__device__ __forceinline__ void add_dq_share(const backward_params_t<Mask>& p, E* sds, std::uint32_t (&pd)[BM / 8][2],
+                                             std::uint64_t ds_desc, std::uint64_t kq_desc, int b, int h, int q0,
+                                             int wg, int warp, int kw, int g, int t) {
+#pragma unroll
+  for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<std::uint32_t*>(sds + atom_offset<BN>(kw + g + 8 * r, n) + 2 * t) = pd[n][r];
+  fence_proxy_async();
+  if constexpr (SplitKeys)
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's 64 keys
+  else
+    __syncthreads();  // every key of the block
+  constexpr int keys = SplitKeys ? 64 : BN;
+  float dq[8][4];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < keys / 16; ++kk)
+    wgmma_ss_mn<E>(dq, desc_plus(ds_desc, kk * 16 * 64), desc_plus(kq_desc, kk * 16 * 64), kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(dq);
+  const int c0 = SplitKeys ? 0 : 64 * wg, row0 = (warp % 4) * 16 + g;
+  float* head = p.dq_accum + ((index_t(b) * p.heads + h) * p.seq_q + q0) * D + c0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    if (q0 + i >= p.seq_q) continue;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      atomicAdd(reinterpret_cast<float2*>(head + index_t(i) * D + n * 8 + 2 * t),
+                make_float2(dq[n][2 * r], dq[n][2 * r + 1]));
+  }
+}
+
+/// dK and dV of 128 keys: see the file comment. With `AtomicDq` the kernel also forms each q tile's share of dQ from
+/// its keys, dQ_tile += dS·K, and adds it to p.dq_accum (f32, [b][h][i][c]) by atomics; the dQ kernel then does not
+/// run (5 products of the head's size instead of 7). dSᵀ goes through shared memory, read back MN-major as A. At
+/// head_dim 128 each warpgroup forms 64 of the 128 columns over all 128 keys (after a block barrier); at 64 each
+/// forms all columns over its own 64 keys (both add theirs).
+template <class E, class Tile, class Mask, bool Mods = false, bool AtomicDq = false>
 __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dkdv_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BN = Tile::block_kv, BM = Tile::block_q;
-  constexpr float log2e = float(fusedattn::log2e);
   constexpr std::uint32_t atom = Tile::atom_bytes;
   extern __shared__ unsigned char smem_raw[];
   const std::uint32_t raw = smem_address(smem_raw);
@@ -98,6 +146,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   E* sdo = sq + 2 * BM * D;                                                          // [2][BM][D]
   float* s_lse = reinterpret_cast<float*>(sdo + 2 * BM * D);  // [2][BM]: lse·log2e, +inf for rows without keys
   float* s_delta = s_lse + 2 * BM;                            // [2][BM]
+  // dSᵀ [BN][BM] in one panel (AtomicDq), on an atom boundary past the rest.
+  E* sds = reinterpret_cast<E*>(reinterpret_cast<unsigned char*>(sk) + Tile::dkdv_smem - atom);
 
   const int h_kv = blockIdx.y, b = blockIdx.z;
   const int k0 = blockIdx.x * BN, k1 = k0 + BN < p.seq_kv ? k0 + BN : p.seq_kv;
@@ -118,12 +168,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     load_atoms<Tile, BM>(sdo + stage * BM * D,
                          static_cast<const E*>(p.d_o) + b * p.do_stride.b + h * p.do_stride.h + q0 * p.do_stride.s,
                          p.do_stride.s, rows);
-    for (int r = threadIdx.x; r < BM; r += Tile::threads) {
-      const index_t row = (index_t(b) * p.heads + h) * p.seq_q + q0 + r;
-      const float l = r < rows ? p.lse[row] : -INFINITY;
-      s_lse[stage * BM + r] = l == -INFINITY ? INFINITY : l * log2e;
-      s_delta[stage * BM + r] = l == -INFINITY ? 0.f : p.delta[row];
-    }
+    for (int r = threadIdx.x; r < BM; r += Tile::threads)
+      row_lse_delta(p, b, h, q0 + r, s_lse[stage * BM + r], s_delta[stage * BM + r]);
   };
 
   // The wgmma descriptors, built once (desc_plus moves them to a stage): K and V of this warpgroup's 64 keys (A,
@@ -134,6 +180,10 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   const std::uint64_t do_desc = swizzled_descriptor(sdo, 16, atom);
   const std::uint64_t q_desc_n = swizzled_descriptor(sq, BM * 128, atom);
   const std::uint64_t do_desc_n = swizzled_descriptor(sdo, BM * 128, atom);
+  // The dQ product (AtomicDq), both operands MN-major: A = dS from sds (keys are the reduction), B = K.
+  constexpr bool split_keys = D == 64;  // else split the columns
+  const std::uint64_t ds_desc = swizzled_descriptor(sds + (split_keys ? wg * 64 * 64 : 0), BN * 128, atom);
+  const std::uint64_t kq_desc = swizzled_descriptor(sk + (split_keys ? wg * 64 * 64 : wg * BN * 64), BN * 128, atom);
 
   column_walk<Mask, BM> walk(p, b, h_kv, k0, k1);
   int h = 0, q0 = 0;
@@ -187,6 +237,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     wgmma_fence();
     issue_packed<E, D, BM>(dk, pd, desc_plus(q_desc_n, off));
     wgmma_commit();
+    if constexpr (AtomicDq) add_dq_share<E, D, BN, BM, split_keys>(p, sds, pd, ds_desc, kq_desc, b, h, q0, wg, warp,
+                                                                     kw, g, t);
     wgmma_wait<0>();
     fence_operands(dv);
     fence_operands(dk);
@@ -213,7 +265,6 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dq_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
 #if FUSEDATTN_WGMMA_COMPILED
   constexpr int D = Tile::head_dim, BM = Tile::dq_rows, BN = Tile::dq_keys;
-  constexpr float log2e = float(fusedattn::log2e);
   constexpr std::uint32_t atom = Tile::atom_bytes;
   extern __shared__ unsigned char smem_raw[];
   const std::uint32_t raw = smem_address(smem_raw);
@@ -254,13 +305,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   // This thread's rows w0 + g and w0 + g + 8: lse·log2e (+inf for a row without keys or past seq_q: P = 0) and δ.
   float lse2[2], dlt[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = w0 + g + 8 * r;
-    const index_t row = (index_t(b) * p.heads + h) * p.seq_q + i;
-    const float l = i < p.seq_q ? p.lse[row] : -INFINITY;
-    lse2[r] = l == -INFINITY ? INFINITY : l * log2e;
-    dlt[r] = l == -INFINITY ? 0.f : p.delta[row];
-  }
+  for (int r = 0; r < 2; ++r) row_lse_delta(p, b, h, w0 + g + 8 * r, lse2[r], dlt[r]);
   cp_async_wait<0>();
   fence_proxy_async();
   __syncthreads();
@@ -322,20 +367,49 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
 #endif
 }
 
+/// dQ = scale · p.dq_accum in the element type, eight columns a thread (the atomic-dQ path's last step).
+template <class E, int D, class Mask>
+__global__ void backward_dq_convert_kernel(const __grid_constant__ backward_params_t<Mask> p) {
+  constexpr int chunks = D / 8;
+  const index_t rows = index_t(p.batch) * p.heads * p.seq_q;
+  for (index_t c = index_t(blockIdx.x) * blockDim.x + threadIdx.x; c < rows * chunks;
+       c += index_t(gridDim.x) * blockDim.x) {
+    const index_t row = c / chunks;
+    const int ch = int(c % chunks), i = int(row % p.seq_q), h = int(row / p.seq_q % p.heads);
+    const int b = int(row / (index_t(p.seq_q) * p.heads));
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * D + ch * 8);
+    const float4 x = src[0], y = src[1];
+    const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+    std::uint32_t packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) packed[e] = mma_type<E>::pack(v[2 * e] * p.scale, v[2 * e + 1] * p.scale);
+    E* dst = static_cast<E*>(p.dq) + b * p.dq_stride.b + h * p.dq_stride.h + index_t(i) * p.dq_stride.s + ch * 8;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
 /// Whether a mask's layout keeps each Hopper q tile in one q-block row: band masks always; block-sparse layouts when
 /// block_q is a multiple of the dQ kernel's rows (64 at head_dim 64, 128 at head_dim 128).
 inline bool hopper_backward_fits(const band_mask&, int) { return true; }
 inline bool hopper_backward_fits(const block_sparse_mask& m, int rows) { return m.block_q % rows == 0; }
 
 template <class E, class Mask>
-status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, cudaStream_t stream,
-                              bool& launched) {
+status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp_in, bool mods, bool atomic_dq,
+                              cudaStream_t stream, bool& launched) {
   launched = false;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     if (p.head_dim != 64 && p.head_dim != 128) return {};
     const int dq_rows = p.head_dim == 64 ? hopper_backward_tiles<64>::dq::dq_rows
                                          : hopper_backward_tiles<128>::dq::dq_rows;
-    if (!hopper_backward_fits(bp.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
+    if (!hopper_backward_fits(bp_in.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
+    backward_params_t<Mask> bp = bp_in;
+    scratch_arena arena(stream);
+    if (atomic_dq && p.seq_q > 0 && p.seq_kv > 0) {
+      const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
+      if (status st = arena.allocate(bp.dq_accum, n, "backward: f32 dQ accumulator"); !st) return st;
+      if (cudaError_t e = cudaMemsetAsync(bp.dq_accum, 0, std::size_t(n) * sizeof(float), stream); e != cudaSuccess)
+        return from_cuda(e, "cudaMemsetAsync(backward: f32 dQ accumulator)");
+    }
     const auto launch = [&](auto kernel, int threads, int smem, index_t rows, int tile_rows, int heads,
                             const char* name) -> status {
       if (rows == 0) return {};
@@ -349,6 +423,16 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
       using KV = typename decltype(tiles)::dkdv;
       using Q = typename decltype(tiles)::dq;
       constexpr bool Mods = decltype(mods_on)::value;
+      if (bp.dq_accum != nullptr) {
+        if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods, true>, KV::threads, KV::dkdv_atomic_smem,
+                               p.seq_kv, KV::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel(atomic dQ)");
+            !st)
+          return st;
+        const index_t work = p.batch * p.heads * p.seq_q * (KV::head_dim / 8);
+        const unsigned blocks = unsigned(std::min<index_t>((work + 255) / 256, index_t(1) << 16));
+        backward_dq_convert_kernel<E, KV::head_dim, Mask><<<blocks, 256, 0, stream>>>(bp);
+        return last_launch("backward_dq_convert_kernel");
+      }
       if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods>, KV::threads, KV::dkdv_smem, p.seq_kv,
                              KV::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel");
           !st)
@@ -362,7 +446,7 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
     };
     return p.head_dim == 64 ? with_mods(hopper_backward_tiles<64>{}) : with_mods(hopper_backward_tiles<128>{});
   } else {
-    (void)p, (void)bp, (void)mods, (void)stream;
+    (void)p, (void)bp_in, (void)mods, (void)atomic_dq, (void)stream;
     return {};
   }
 }

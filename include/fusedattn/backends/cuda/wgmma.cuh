@@ -123,14 +123,17 @@ __device__ __forceinline__ void fence_operands(float (&d)[Tiles][4]) {
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// D (64 × N, f32) = A·B (+ D when the predicate operand is non-zero); A and B from shared memory, both K-major.
-// Operands after the accumulators: %N/2 = A descriptor, + 1 = B descriptor, + 2 = accumulate flag.
-#define FUSEDATTN_WGMMA_SS(N, TYPE, DREGS, ACC, A, B, SCALE)                                               \
+// D (64 × N, f32) = A·B (+ D when the predicate operand is non-zero); A and B from shared memory, K-major
+// (TRANS "0, 0") or both MN-major (TRANS "1, 1"). Operands after the accumulators: %N/2 = A descriptor, + 1 = B
+// descriptor, + 2 = accumulate flag.
+#define FUSEDATTN_WGMMA_SS_T(N, TYPE, DREGS, ACC, A, B, SCALE, TRANS)                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE ", 0;\n"                                          \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DREGS ", %" #A ", %" #B \
-               ", p, 1, 1, 0, 0;\n}\n"                                                                      \
+               ", p, 1, 1, " TRANS ";\n}\n"                                                                \
                : ACC(d)                                                                                     \
                : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)))
+#define FUSEDATTN_WGMMA_SS(N, TYPE, DREGS, ACC, A, B, SCALE) \
+  FUSEDATTN_WGMMA_SS_T(N, TYPE, DREGS, ACC, A, B, SCALE, "0, 0")
 // D (64 × N, f32) += A·B; A from registers (four 32-bit registers of 16-bit pairs, the m16n8k16 A fragment of this
 // warp's 16 rows), B from shared memory N-major (transposed: trans-b = 1).
 #define FUSEDATTN_WGMMA_RS(N, TYPE, DREGS, ACC, A0, A1, A2, A3, B)                                          \
@@ -174,6 +177,25 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a_d
 #endif
 }
 
+/// d (64 × 64 per warpgroup) = A·B, or += when `accumulate`, with A (64 × 16) and B (16 × 64) from shared memory, both
+/// MN-major (trans-a = trans-b = 1: the 64 output rows, or columns, contiguous; 16 rows of the reduction at the
+/// descriptor), as the atomic-dQ backward kernel reads dS and K.
+template <class E>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[8][4], std::uint64_t a_desc, std::uint64_t b_desc,
+                                            bool accumulate) {
+  static_assert(std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>,
+                "wgmma_ss_mn takes __half or __nv_bfloat16");
+#if FUSEDATTN_WGMMA_COMPILED
+  if constexpr (std::is_same_v<E, __half>) {
+    FUSEDATTN_WGMMA_SS_T(64, "f16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34, "1, 1");
+  } else {
+    FUSEDATTN_WGMMA_SS_T(64, "bf16", FUSEDATTN_WGMMA_D32, FUSEDATTN_WGMMA_ACC32, 32, 33, 34, "1, 1");
+  }
+#else
+  (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
+#endif
+}
+
 /// d (64 × N per warpgroup) += A·B with A (64 × 16) from registers: `a` is this warp's m16n8k16 A fragment (rows
 /// 16·warp .. +16 of the warpgroup's 64); B (16 × N) at `b_desc`, an N-major (transposed) descriptor.
 template <class E, int N>
@@ -197,6 +219,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 
 #undef FUSEDATTN_WGMMA_RS
 #undef FUSEDATTN_WGMMA_SS
+#undef FUSEDATTN_WGMMA_SS_T
 #undef FUSEDATTN_WGMMA_D64
 #undef FUSEDATTN_WGMMA_D56
 #undef FUSEDATTN_WGMMA_D48
