@@ -107,7 +107,7 @@ struct cuda {
   /// SM delays only its own item, not a whole list of them.
   bool concurrent = false;
   /// attend_backward: true (the default) gives the same bits on every run. false lets the Hopper kernels (sm_90a,
-  /// head_dim 64 and 128) add each kv tile's share of dQ to an f32 accumulator by atomics instead of running a dQ
+  /// head_dim 128) add each kv tile's share of dQ to an f32 accumulator by atomics instead of running a dQ
   /// kernel of their own: faster, and dQ's last bits then vary with the order the additions land in (dK and dV do
   /// not). Other calls are deterministic either way.
   bool deterministic = true;

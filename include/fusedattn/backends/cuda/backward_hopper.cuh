@@ -2,8 +2,10 @@
 /// The backward pass on Hopper's warpgroup tensor cores (sm_90a: wgmma, f16/bf16 in, f32 accumulators), for
 /// head_dim 64 and 128: the same three steps as backward.cuh's mma.sync kernels (δ, then dK/dV, then dQ; no atomics,
 /// bitwise the same on every run), with each warpgroup's products issued as wgmma from swizzled shared memory. With
-/// policy::cuda::deterministic false, two steps: the dK/dV kernel also forms dQ = dS·K per q tile and adds it to an
-/// f32 accumulator by atomics (5 products instead of 7), then backward_dq_convert_kernel scales and stores dQ.
+/// policy::cuda::deterministic false and head_dim 128, two steps: the dK/dV kernel also forms dQ = dS·K per q tile and
+/// adds it to an f32 accumulator by atomics (5 products instead of 7), then backward_dq_convert_kernel scales and
+/// stores dQ. At head_dim 64 that path was slower than the dQ kernel (the dK/dV kernel's added share costs more than
+/// the dQ kernel it replaces: 0.95–0.98× on an H100), so head_dim 64 runs the deterministic steps either way.
 ///   backward_dkdv_hopper_kernel: a block per (128 keys, kv head, batch), two warpgroups of 64 keys each; per q tile
 ///     of 64 rows (the column walk, Q, dO, lse and δ of the next tile copied in during the current one):
 ///       Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (A and B from shared memory), Pᵀ, dV += Pᵀ·dO (Pᵀ from registers, dO N-major),
@@ -88,10 +90,10 @@ __device__ __forceinline__ void issue_packed(float (&c)[D / 8][4], std::uint32_t
 }
 
 /// The atomic-dQ step of the dK/dV kernel for one q tile (rows q0.., head h): this warp's dSᵀ fragments `pd` (keys
-/// kw + g + 8r, q columns 8n + 2t) go to `sds`; after the barrier that makes them visible, the warpgroup's dQ share
-/// (64 rows × 64 columns) = dS·K is issued from shared memory and added to p.dq_accum, two columns an atomic. Rows
-/// past seq_q are skipped (their dS is 0).
-template <class E, int D, int BN, int BM, bool SplitKeys, class Mask>
+/// kw + g + 8r, q columns 8n + 2t) go to `sds`; after the block barrier that makes every key's visible, the
+/// warpgroup's dQ share (64 rows × its 64 of the 128 columns, over all BN keys) = dS·K is issued from shared memory
+/// and added to p.dq_accum, two columns an atomic. Rows past seq_q are skipped (their dS is 0).
+template <class E, int D, int BN, int BM, class Mask>
 __device__ __forceinline__ void add_dq_share(const backward_params_t<Mask>& p, E* sds, std::uint32_t (&pd)[BM / 8][2],
                                              std::uint64_t ds_desc, std::uint64_t kq_desc, int b, int h, int q0,
                                              int wg, int warp, int kw, int g, int t) {
@@ -100,21 +102,18 @@ __device__ __forceinline__ void add_dq_share(const backward_params_t<Mask>& p, E
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       *reinterpret_cast<std::uint32_t*>(sds + atom_offset<BN>(kw + g + 8 * r, n) + 2 * t) = pd[n][r];
+  static_assert(D == 128 && BN == 128, "the atomic dQ share splits 128 columns between two warpgroups");
   fence_proxy_async();
-  if constexpr (SplitKeys)
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's 64 keys
-  else
-    __syncthreads();  // every key of the block
-  constexpr int keys = SplitKeys ? 64 : BN;
+  __syncthreads();  // every key of the block
   float dq[8][4];
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < keys / 16; ++kk)
+  for (int kk = 0; kk < BN / 16; ++kk)
     wgmma_ss_mn<E>(dq, desc_plus(ds_desc, kk * 16 * 64), desc_plus(kq_desc, kk * 16 * 64), kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
   fence_operands(dq);
-  const int c0 = SplitKeys ? 0 : 64 * wg, row0 = (warp % 4) * 16 + g;
+  const int c0 = 64 * wg, row0 = (warp % 4) * 16 + g;
   float* head = p.dq_accum + ((index_t(b) * p.heads + h) * p.seq_q + q0) * D + c0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -129,9 +128,8 @@ __device__ __forceinline__ void add_dq_share(const backward_params_t<Mask>& p, E
 
 /// dK and dV of 128 keys: see the file comment. With `AtomicDq` the kernel also forms each q tile's share of dQ from
 /// its keys, dQ_tile += dS·K, and adds it to p.dq_accum (f32, [b][h][i][c]) by atomics; the dQ kernel then does not
-/// run (5 products of the head's size instead of 7). dSᵀ goes through shared memory, read back MN-major as A. At
-/// head_dim 128 each warpgroup forms 64 of the 128 columns over all 128 keys (after a block barrier); at 64 each
-/// forms all columns over its own 64 keys (both add theirs).
+/// run (5 products of the head's size instead of 7). dSᵀ goes through shared memory, read back MN-major as A; each
+/// warpgroup forms 64 of the 128 columns over all 128 keys (head_dim 128 only).
 template <class E, class Tile, class Mask, bool Mods = false, bool AtomicDq = false>
 __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     backward_dkdv_hopper_kernel(const __grid_constant__ backward_params_t<Mask> p) {
@@ -181,9 +179,8 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
   const std::uint64_t q_desc_n = swizzled_descriptor(sq, BM * 128, atom);
   const std::uint64_t do_desc_n = swizzled_descriptor(sdo, BM * 128, atom);
   // The dQ product (AtomicDq), both operands MN-major: A = dS from sds (keys are the reduction), B = K.
-  constexpr bool split_keys = D == 64;  // else split the columns
-  const std::uint64_t ds_desc = swizzled_descriptor(sds + (split_keys ? wg * 64 * 64 : 0), BN * 128, atom);
-  const std::uint64_t kq_desc = swizzled_descriptor(sk + (split_keys ? wg * 64 * 64 : wg * BN * 64), BN * 128, atom);
+  const std::uint64_t ds_desc = swizzled_descriptor(sds, BN * 128, atom);
+  const std::uint64_t kq_desc = swizzled_descriptor(sk + wg * BN * 64, BN * 128, atom);
 
   column_walk<Mask, BM> walk(p, b, h_kv, k0, k1);
   int h = 0, q0 = 0;
@@ -237,8 +234,7 @@ __global__ void __launch_bounds__(Tile::threads, Tile::min_blocks)
     wgmma_fence();
     issue_packed<E, D, BM>(dk, pd, desc_plus(q_desc_n, off));
     wgmma_commit();
-    if constexpr (AtomicDq) add_dq_share<E, D, BN, BM, split_keys>(p, sds, pd, ds_desc, kq_desc, b, h, q0, wg, warp,
-                                                                     kw, g, t);
+    if constexpr (AtomicDq) add_dq_share<E, D, BN, BM>(p, sds, pd, ds_desc, kq_desc, b, h, q0, wg, warp, kw, g, t);
     wgmma_wait<0>();
     fence_operands(dv);
     fence_operands(dk);
@@ -404,7 +400,7 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
     if (!hopper_backward_fits(bp_in.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
     backward_params_t<Mask> bp = bp_in;
     scratch_arena arena(stream);
-    if (atomic_dq && p.seq_q > 0 && p.seq_kv > 0) {
+    if (atomic_dq && p.head_dim == 128 && p.seq_q > 0 && p.seq_kv > 0) {
       const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
       if (status st = arena.allocate(bp.dq_accum, n, "backward: f32 dQ accumulator"); !st) return st;
       if (cudaError_t e = cudaMemsetAsync(bp.dq_accum, 0, std::size_t(n) * sizeof(float), stream); e != cudaSuccess)
@@ -423,15 +419,18 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
       using KV = typename decltype(tiles)::dkdv;
       using Q = typename decltype(tiles)::dq;
       constexpr bool Mods = decltype(mods_on)::value;
-      if (bp.dq_accum != nullptr) {
-        if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods, true>, KV::threads, KV::dkdv_atomic_smem,
-                               p.seq_kv, KV::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel(atomic dQ)");
-            !st)
-          return st;
-        const index_t work = p.batch * p.heads * p.seq_q * (KV::head_dim / 8);
-        const unsigned blocks = unsigned(std::min<index_t>((work + 255) / 256, index_t(1) << 16));
-        backward_dq_convert_kernel<E, KV::head_dim, Mask><<<blocks, 256, 0, stream>>>(bp);
-        return last_launch("backward_dq_convert_kernel");
+      if constexpr (KV::head_dim == 128) {  // the atomic-dQ kernel (dq_accum is set at head_dim 128 only)
+        if (bp.dq_accum != nullptr) {
+          if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods, true>, KV::threads,
+                                 KV::dkdv_atomic_smem, p.seq_kv, KV::block_kv, int(p.heads_kv),
+                                 "backward_dkdv_hopper_kernel(atomic dQ)");
+              !st)
+            return st;
+          const index_t work = p.batch * p.heads * p.seq_q * (KV::head_dim / 8);
+          const unsigned blocks = unsigned(std::min<index_t>((work + 255) / 256, index_t(1) << 16));
+          backward_dq_convert_kernel<E, KV::head_dim, Mask><<<blocks, 256, 0, stream>>>(bp);
+          return last_launch("backward_dq_convert_kernel");
+        }
       }
       if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods>, KV::threads, KV::dkdv_smem, p.seq_kv,
                              KV::block_kv, int(p.heads_kv), "backward_dkdv_hopper_kernel");
