@@ -1,8 +1,8 @@
 // Times attend_backward on policy::cuda (bf16; B·H = 16·16; S 1024-8192; head_dim 64 and 128; dense and causal) and
 // prints one JSON line per shape and mode: TFLOP/s by 10·B·H·S²·D (halved for causal); impl "fusedattn" is the
-// default deterministic call, "fusedattn-atomic" the same with policy::cuda::deterministic = false. `bench/peers/torch_peer.py --device
-// cuda --backward --filter _bwd/ --iters REPS` times PyTorch SDPA's backward (flash and cuDNN) on the same shapes, its
-// rows carrying these keys too. Usage: fusedattn_bench_backward [reps].
+// default deterministic call, "fusedattn-atomic" the same with policy::cuda::deterministic = false.
+// `bench/peers/torch_peer.py --device cuda --backward --filter _bwd/ --iters REPS` times PyTorch SDPA's backward
+// (flash and cuDNN) on the same shapes, its rows carrying these keys too. Usage: fusedattn_bench_backward [reps].
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -38,17 +38,17 @@ status attend_backward_cuda_uploaded(const problem& p, tensor_ref<const T> q, te
 }
 
 #define FUSEDATTN_BACKWARD_ENTRY(T)                                                                                \
-  template status attend_backward_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,               \
-                                          tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,          \
-                                          const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,              \
-                                          const any_mask&, bool);                                                        \
-  template status attend_backward_cuda_mods<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,          \
-                                               tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,     \
-                                               const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,         \
-                                               const modified<any_mask>&, bool);                                         \
-  template status attend_backward_cuda_uploaded<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,      \
-                                                   tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>, \
-                                                   const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,     \
+  template status attend_backward_cuda<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,                \
+                                          tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,           \
+                                          const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,               \
+                                          const any_mask&, bool);                                                  \
+  template status attend_backward_cuda_mods<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,           \
+                                               tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,      \
+                                               const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,          \
+                                               const modified<any_mask>&, bool);                                   \
+  template status attend_backward_cuda_uploaded<T>(const problem&, tensor_ref<const T>, tensor_ref<const T>,       \
+                                                   tensor_ref<const T>, tensor_ref<const T>, tensor_ref<const T>,  \
+                                                   const float*, tensor_ref<T>, tensor_ref<T>, tensor_ref<T>,      \
                                                    const block_sparse&, bool);
 FUSEDATTN_BACKWARD_ENTRY(Eigen::half)
 FUSEDATTN_BACKWARD_ENTRY(Eigen::bfloat16)

@@ -605,10 +605,11 @@ inline status backward_fits_mask(const block_sparse_mask& m) {
 
 /// The Hopper (wgmma) dK/dV and dQ kernels for a call at head_dim 64 or 128 on an sm_90a device
 /// (backward_hopper.cuh, included at the end of this file): `launched` false when they do not take the call (the
-/// mma.sync kernels then run), else the status of their launches. `bp.delta` is filled already.
+/// mma.sync kernels then run), else the status of their launches. `bp.delta` is filled already; `atomic_dq`
+/// (policy::cuda::deterministic = false) takes the atomic-dQ kernel where one exists, its f32 scratch from `arena`.
 template <class E, class Mask>
 status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp, bool mods, bool atomic_dq,
-                              cudaStream_t stream, bool& launched);
+                              scratch_arena& arena, cudaStream_t stream, bool& launched);
 
 /// Launches the three kernels for a validated call whose pointers are device memory and which backward_applies
 /// accepted. `mask`: band, or block-sparse with device arrays.
@@ -638,7 +639,9 @@ status run_backward(const problem& p, const tensor_ref<const T>& q, const tensor
       return last_launch("backward_sink_kernel");
     };
     bool hopper = false;
-    if (status st = launch_backward_hopper<E>(p, bp, mods.changes_scores(), !deterministic, stream, hopper); !st) return st;
+    if (status st = launch_backward_hopper<E>(p, bp, mods.changes_scores(), !deterministic, arena, stream, hopper);
+        !st)
+      return st;
     if (hopper) return sink_grad();
     const status no_tile{errc::unsupported, "problem.head_dim: the CUDA backward kernel has no tile for it"};
     return with_backward_tile(p.head_dim, no_tile, [&](auto tile) -> status {

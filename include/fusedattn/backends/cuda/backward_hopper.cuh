@@ -64,6 +64,9 @@ template <int HeadDim>
 struct hopper_backward_tiles {
   using dkdv = hopper_backward_tile<HeadDim, 2>;
   using dq = hopper_backward_tile<HeadDim, HeadDim == 64 ? 1 : 2>;
+  /// Whether policy::cuda::deterministic = false takes the atomic-dQ kernel at this head_dim (at 64 the
+  /// deterministic pair is faster).
+  static constexpr bool atomic_dq = HeadDim == 128;
 };
 
 /// c (64 × N per warpgroup) = A·Bᵀ over D columns, issued (not committed): A is `AR` rows of a panel tile from the
@@ -391,16 +394,17 @@ inline bool hopper_backward_fits(const block_sparse_mask& m, int rows) { return 
 
 template <class E, class Mask>
 status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& bp_in, bool mods, bool atomic_dq,
-                              cudaStream_t stream, bool& launched) {
+                              scratch_arena& arena, cudaStream_t stream, bool& launched) {
   launched = false;
   if constexpr (std::is_same_v<E, __half> || std::is_same_v<E, __nv_bfloat16>) {
     if (p.head_dim != 64 && p.head_dim != 128) return {};
     const int dq_rows = p.head_dim == 64 ? hopper_backward_tiles<64>::dq::dq_rows
                                          : hopper_backward_tiles<128>::dq::dq_rows;
     if (!hopper_backward_fits(bp_in.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
+    const bool atomic = atomic_dq && (p.head_dim == 64 ? hopper_backward_tiles<64>::atomic_dq
+                                                       : hopper_backward_tiles<128>::atomic_dq);
     backward_params_t<Mask> bp = bp_in;
-    scratch_arena arena(stream);
-    if (atomic_dq && p.head_dim == 128 && p.seq_q > 0 && p.seq_kv > 0) {
+    if (atomic && p.seq_q > 0 && p.seq_kv > 0) {
       const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
       if (status st = arena.allocate(bp.dq_accum, n, "backward: f32 dQ accumulator"); !st) return st;
       if (cudaError_t e = cudaMemsetAsync(bp.dq_accum, 0, std::size_t(n) * sizeof(float), stream); e != cudaSuccess)
@@ -419,8 +423,8 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
       using KV = typename decltype(tiles)::dkdv;
       using Q = typename decltype(tiles)::dq;
       constexpr bool Mods = decltype(mods_on)::value;
-      if constexpr (KV::head_dim == 128) {  // the atomic-dQ kernel (dq_accum is set at head_dim 128 only)
-        if (bp.dq_accum != nullptr) {
+      if constexpr (decltype(tiles)::atomic_dq) {
+        if (atomic) {
           if (status st = launch(backward_dkdv_hopper_kernel<E, KV, Mask, Mods, true>, KV::threads,
                                  KV::dkdv_atomic_smem, p.seq_kv, KV::block_kv, int(p.heads_kv),
                                  "backward_dkdv_hopper_kernel(atomic dQ)");
@@ -445,7 +449,7 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
     };
     return p.head_dim == 64 ? with_mods(hopper_backward_tiles<64>{}) : with_mods(hopper_backward_tiles<128>{});
   } else {
-    (void)p, (void)bp_in, (void)mods, (void)atomic_dq, (void)stream;
+    (void)p, (void)bp_in, (void)mods, (void)atomic_dq, (void)arena, (void)stream;
     return {};
   }
 }
