@@ -250,6 +250,20 @@ inline typename simd<Acc, Arch>::type load_as(const T* x) {
   }
 }
 
+/// Asks for the cache line holding `x` in L2 (a hint: results never depend on it). The decode micro-kernels request
+/// the next step's K or V rows this way, one line for each line they load (the same offset in the same-numbered
+/// row), so that the requests spread over the loads instead of queueing up in bursts, which stall the core once
+/// its miss buffers are full. Callers choose by template parameter whether to request at all: GCC 12 drops a
+/// prefetch that sits under a run-time condition inside an inlined function.
+template <class T>
+FUSEDATTN_INLINE_BODY void request_line(const T* x) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(x, 0, 1);
+#else
+  (void)x;
+#endif
+}
+
 /// Register blocking of the decode micro-kernels: dot products MR rows × NK keys (MR·NK accumulators, reduced
 /// together by reduce_each), and the in-place P·V: up to 4 rows × pv_nv vectors of head_dim columns (a decode row
 /// block is small), more rows as the prefill's P·V (kernel_shape::pv_mr rows × pv_nr vectors).
@@ -319,9 +333,10 @@ inline Acc tail_mul_add(Acc a, Acc b, Acc c) {
 ///   s: output, row stride lds;                     shape MR × NK
 /// Math: s[r][n] = Σ_c q[r][c] · k[n][c], vector lanes over c, then the lanes of all MR·NK accumulators summed
 /// together (reduce_each, W at a time); the last d % W columns are added one at a time. Each K vector is loaded
-/// (and widened) once for all MR rows.
-template <class Acc, class Arch, class T, index_t MR, index_t NK>
-FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* const* k, index_t d, Acc* s, index_t lds) {
+/// (and widened) once for all MR rows; with `Ahead`, the same line of row ahead[n] is requested (request_line).
+template <class Acc, class Arch, class T, index_t MR, index_t NK, bool Ahead>
+FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* const* k, index_t d, Acc* s, index_t lds,
+                                  const T* const* ahead) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width, M = MR * NK, G = (M + W - 1) / W;
@@ -335,6 +350,8 @@ FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* const* k, 
     FUSEDATTN_UNROLL for (index_t n = 0; n < NK; ++n) {
       k_c[n] = load_as<Acc, Arch>(kr[n] + c);
       pin_register(k_c[n]);
+      if constexpr (Ahead)
+        if ((c * index_t(sizeof(T))) % 64 == 0) request_line(ahead[n] + c);  // once a line
     }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec q_rc = V::load(q + r * ldq + c);
@@ -357,18 +374,30 @@ FUSEDATTN_NOINLINE void dot_block(const Acc* q, index_t ldq, const T* const* k, 
 }
 
 /// S (rows × keys) = Q · Kᵀ with K read in place: key j's row at k[j]; Q rows at stride ldq.
-/// Rows dot_mr and keys dot_nk at a time, the tails as smaller blocks.
+/// Rows dot_mr and keys dot_nk at a time, the tails as smaller blocks. `ahead`: null, or a row for each key whose
+/// lines the first row block requests as it loads key j's (the next step's K rows; any valid address will do).
 template <class Acc, class Arch, class T>
 inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* const* k, index_t keys, index_t d, Acc* s,
-                     index_t lds) {
+                     index_t lds, const T* const* ahead = nullptr) {
   constexpr index_t MR = decode_shape<Acc, Arch>::dot_mr, NK = decode_shape<Acc, Arch>::dot_nk;
   const index_t full_r = rows / MR * MR, full_k = keys / NK * NK;
   auto rows_block = [&](index_t j, auto nk) {
     constexpr index_t N = decltype(nk)::value;
-    for (index_t i = 0; i < full_r; i += MR)
-      dot_block<Acc, Arch, T, MR, N>(q + i * ldq, ldq, k + j, d, s + i * lds + j, lds);
+    const T* const* a = ahead != nullptr ? ahead + j : nullptr;
+    for (index_t i = 0; i < full_r; i += MR) {
+      if (i == 0 && a != nullptr)
+        dot_block<Acc, Arch, T, MR, N, true>(q, ldq, k + j, d, s + j, lds, a);
+      else
+        dot_block<Acc, Arch, T, MR, N, false>(q + i * ldq, ldq, k + j, d, s + i * lds + j, lds, nullptr);
+    }
     with_count<MR - 1>(rows - full_r, [&](auto mr) {
-      dot_block<Acc, Arch, T, decltype(mr)::value, N>(q + full_r * ldq, ldq, k + j, d, s + full_r * lds + j, lds);
+      constexpr index_t R = decltype(mr)::value;
+      const Acc* qr = q + full_r * ldq;
+      Acc* sr = s + full_r * lds + j;
+      if (full_r == 0 && a != nullptr)
+        dot_block<Acc, Arch, T, R, N, true>(qr, ldq, k + j, d, sr, lds, a);
+      else
+        dot_block<Acc, Arch, T, R, N, false>(qr, ldq, k + j, d, sr, lds, nullptr);
     });
   };
   for (index_t j = 0; j < full_k; j += NK) rows_block(j, std::integral_constant<index_t, NK>{});
@@ -379,9 +408,10 @@ inline void dot_tile(const Acc* q, index_t ldq, index_t rows, const T* const* k,
 ///   p: MR rows of P, row stride ldp;                      shape MR × keys
 ///   v: pointers to the value rows (storage type T); the block reads columns [c, c + NV·W) of each
 ///   acc: in/out, row stride lda, at column c;             shape MR × (NV·W)
-template <class Acc, class Arch, class T, index_t MR, index_t NV>
+///   ahead: with `Ahead`, rows whose lines at the same columns are requested as each V row's are loaded
+template <class Acc, class Arch, class T, index_t MR, index_t NV, bool Ahead>
 FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* const* v, index_t c, index_t keys,
-                                          Acc* acc, index_t lda) {
+                                          Acc* acc, index_t lda, const T* const* ahead) {
   using V = simd<Acc, Arch>;
   using vec = typename V::type;
   constexpr index_t W = V::width;
@@ -394,6 +424,8 @@ FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* co
     FUSEDATTN_UNROLL for (index_t n = 0; n < NV; ++n) {
       v_j[n] = load_as<Acc, Arch>(vr + n * W);
       pin_register(v_j[n]);
+      if constexpr (Ahead)
+        if (((c + n * W) * index_t(sizeof(T))) % 64 == 0) request_line(ahead[j] + c + n * W);  // once a line
     }
     FUSEDATTN_UNROLL for (index_t r = 0; r < MR; ++r) {
       const vec p_rj = V::broadcast(p[r * ldp + j]);
@@ -407,10 +439,11 @@ FUSEDATTN_NOINLINE void pv_block_in_place(const Acc* p, index_t ldp, const T* co
 /// acc (rows × d) += P (rows × keys) · V (keys × d) with V read in place, key j's row at v[j]. Up to
 /// decode_shape::pv_small_rows rows: one row block, column chunks of pv_nv vectors; more rows: blocks of pv_mr rows
 /// (the last rows % pv_mr as one smaller block), chunks of pv_nr vectors; then single vectors, and the last d % W
-/// columns one value at a time. Each output column sums its keys in ascending order whatever the blocking.
+/// columns one value at a time. Each output column sums its keys in ascending order whatever the blocking. `ahead`:
+/// null, or a row for each key whose lines the first row block requests (as dot_tile).
 template <class Acc, class Arch, class T>
 inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* const* v, index_t keys, index_t d, Acc* acc,
-                             index_t lda, index_t rows) {
+                             index_t lda, index_t rows, const T* const* ahead = nullptr) {
   using shape = kernel_shape<Acc, Arch>;
   using dshape = decode_shape<Acc, Arch>;
   constexpr index_t W = shape::width;
@@ -420,11 +453,21 @@ inline void pv_tile_in_place(const Acc* p, index_t ldp, const T* const* v, index
     const index_t full_r = rows / MR * MR;
     auto chunk = [&](index_t c, auto nv) {
       constexpr index_t N = decltype(nv)::value;
-      for (index_t i = 0; i < full_r; i += MR)
-        pv_block_in_place<Acc, Arch, T, MR, N>(p + i * ldp, ldp, v, c, keys, acc + i * lda + c, lda);
+      for (index_t i = 0; i < full_r; i += MR) {
+        if (i == 0 && ahead != nullptr)
+          pv_block_in_place<Acc, Arch, T, MR, N, true>(p, ldp, v, c, keys, acc + c, lda, ahead);
+        else
+          pv_block_in_place<Acc, Arch, T, MR, N, false>(p + i * ldp, ldp, v, c, keys, acc + i * lda + c, lda,
+                                                        nullptr);
+      }
       with_count<MR - 1>(rows - full_r, [&](auto mr) {
-        pv_block_in_place<Acc, Arch, T, decltype(mr)::value, N>(p + full_r * ldp, ldp, v, c, keys,
-                                                                acc + full_r * lda + c, lda);
+        constexpr index_t R = decltype(mr)::value;
+        const Acc* pr = p + full_r * ldp;
+        Acc* ar = acc + full_r * lda + c;
+        if (full_r == 0 && ahead != nullptr)
+          pv_block_in_place<Acc, Arch, T, R, N, true>(pr, ldp, v, c, keys, ar, lda, ahead);
+        else
+          pv_block_in_place<Acc, Arch, T, R, N, false>(pr, ldp, v, c, keys, ar, lda, nullptr);
       });
     };
     index_t c = 0;

@@ -56,11 +56,9 @@ struct interleaves_heads<paged_rows<T>> : std::true_type {};
 /// The most kv heads of one decode work item (interleaves_heads).
 inline constexpr index_t decode_item_heads = 8;
 
-/// Keys whose K and V rows are prefetched together, between two dot_tile calls of the decode kernel.
-inline constexpr index_t prefetch_keys = 16;
-
 /// The K and V row addresses of one decode step (at most decode_block_keys keys), gathered run by run from a KV
-/// source, and a prefetch of some of those rows (a hint: no effect on results).
+/// source, and a prefetch of those rows (a hint: no effect on results). Entries past n repeat the last row, so that
+/// a step of any length can request these rows as its ahead rows (cpu::dot_tile).
 template <class T>
 struct step_rows {
   const T* k[cpu::decode_block_keys];
@@ -81,6 +79,7 @@ struct step_rows {
       }
       j += run;
     }
+    for (index_t i = n; i > 0 && i < cpu::decode_block_keys; ++i) k[i] = k[n - 1], v[i] = v[n - 1];
   }
 
   /// Asks for the cache lines of the K and V rows (d values each) of gathered keys [i0, min(i1, n)).
@@ -132,8 +131,10 @@ struct decode_scratch {
 /// r % seq_q).
 /// Per step of decode_block_keys keys: S = Q·Kᵀ with each K row loaded once for every row (cpu::dot_tile), the
 /// online softmax (softmax.hpp), acc = α·acc + P·V with each V row loaded once for every row
-/// (cpu::pv_tile_in_place). A chunk's (m, l, acc) are merged in chunk order. The next K and V rows are prefetched
-/// while the dot products run (a paged cache's rows sit in different OS pages, where the hardware prefetchers stop).
+/// (cpu::pv_tile_in_place). A chunk's (m, l, acc) are merged in chunk order. Each line of K and V the micro-kernels
+/// load comes with a request for the same line of the next (step, head)'s rows (cpu::request_line): the loads of
+/// the next step overlap this one's arithmetic, also where a paged cache's rows sit in different OS pages (where the
+/// hardware prefetchers stop).
 /// Preconditions: validated, threads >= 1, rows per kv head <= decode_max_rows.
 template <class T, class Arch, class KV, class MaskOf>
 status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV& kv, const tensor_ref<T>& o,
@@ -230,8 +231,8 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
         const index_t key_hi = std::min({seen.end, (c + 1) * chunk_keys[ub], len});
         // Steps of keys [k0, k1), cut at multiples of decode_block_keys, each for every head of the item in turn.
         // The K and V row addresses of one (step, head) are gathered once (a paged source's runs end at pages);
-        // those of the next (step, head) are gathered one ahead and prefetched a few keys at a time between the
-        // dot products of this one.
+        // those of the next (step, head) are gathered one ahead, and the micro-kernels request their lines into L2
+        // one for each line of this step they load (the first step's lines are requested at once).
         step_rows<kv_t> gathered[2];
         step_rows<kv_t>* now = &gathered[0];
         step_rows<kv_t>* next = &gathered[1];
@@ -255,12 +256,9 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
             next->n = 0;
             if (e + 1 < nh) next->gather(kv, b, h_kv + 1, k0, k1);
             else if (k1 < key_hi) next->gather(kv, b, h_lo, k1, step_end(k1));
-            // S (rows × kn, padded with −inf to width) = Q (rows × d) · Kᵀ (d × kn), prefetch_keys keys at a time.
-            for (index_t j = 0; j < kn; j += prefetch_keys) {
-              const index_t n = std::min(prefetch_keys, kn - j);
-              cpu::dot_tile<Acc, Arch>(q_e, d, rows, now->k + j, n, d, sc.s.data() + j, lds);
-              next->prefetch(j, j + prefetch_keys, d);
-            }
+            // S (rows × kn, padded with −inf to width) = Q (rows × d) · Kᵀ (d × kn); the next K rows requested.
+            const step_rows<kv_t>* ahead = next->n > 0 ? next : now;
+            cpu::dot_tile<Acc, Arch>(q_e, d, rows, now->k, kn, d, sc.s.data(), lds, ahead->k);
             // Mask and online softmax per row: P = 2^(scale·log2e·S − m_new), α = 2^(m_old − m_new).
             // Score modifiers first (modify_row: S becomes base-2 logits, the softmax multiplies by 1).
             for (index_t r = 0; r < rows; ++r) {
@@ -283,7 +281,7 @@ status decode_attention(const problem& p, const tensor_ref<const T>& q, const KV
               for (index_t x = 0; x < d; ++x) arow[x] *= a;
             }
             if (finite) {
-              cpu::pv_tile_in_place<Acc, Arch>(sc.s.data(), lds, now->v, kn, d, acc_e, d, rows);
+              cpu::pv_tile_in_place<Acc, Arch>(sc.s.data(), lds, now->v, kn, d, acc_e, d, rows, ahead->v);
             } else {
               for (index_t r = 0; r < rows; ++r) {
                 Acc* arow = acc_e + r * d;
