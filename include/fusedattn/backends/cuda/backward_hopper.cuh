@@ -401,10 +401,13 @@ status launch_backward_hopper(const problem& p, const backward_params_t<Mask>& b
     const int dq_rows = p.head_dim == 64 ? hopper_backward_tiles<64>::dq::dq_rows
                                          : hopper_backward_tiles<128>::dq::dq_rows;
     if (!hopper_backward_fits(bp_in.mask, dq_rows) || !hopper_flash_ready(stream)) return {};
-    const bool atomic = atomic_dq && (p.head_dim == 64 ? hopper_backward_tiles<64>::atomic_dq
-                                                       : hopper_backward_tiles<128>::atomic_dq);
+    // The atomic-dQ kernel where the flag asks for it and the tiles have one (a call without keys or queries runs
+    // the deterministic pair, which writes its zeros).
+    const bool tiles_atomic =
+        p.head_dim == 64 ? hopper_backward_tiles<64>::atomic_dq : hopper_backward_tiles<128>::atomic_dq;
+    const bool atomic = atomic_dq && tiles_atomic && p.seq_q > 0 && p.seq_kv > 0;
     backward_params_t<Mask> bp = bp_in;
-    if (atomic && p.seq_q > 0 && p.seq_kv > 0) {
+    if (atomic) {
       const index_t n = p.batch * p.heads * p.seq_q * p.head_dim;
       if (status st = arena.allocate(bp.dq_accum, n, "backward: f32 dQ accumulator"); !st) return st;
       if (cudaError_t e = cudaMemsetAsync(bp.dq_accum, 0, std::size_t(n) * sizeof(float), stream); e != cudaSuccess)
