@@ -253,8 +253,8 @@ inline typename simd<Acc, Arch>::type load_as(const T* x) {
 /// Asks for the cache line holding `x` in L2 (a hint: results never depend on it). The decode micro-kernels request
 /// the next step's K or V rows this way, one line for each line they load (the same offset in the same-numbered
 /// row), so that the requests spread over the loads instead of queueing up in bursts, which stall the core once
-/// its miss buffers are full. Callers choose by template parameter whether to request at all: GCC 12 drops a
-/// prefetch that sits under a run-time condition inside an inlined function.
+/// its miss buffers are full. Whether to request is decided at the call (a template parameter, the line test): GCC 12
+/// drops a prefetch that sits under a run-time condition inside the inlined function itself.
 template <class T>
 FUSEDATTN_INLINE_BODY void request_line(const T* x) {
 #if defined(__GNUC__) || defined(__clang__)
